@@ -1,0 +1,62 @@
+"""Connect to NATS from `NatsSettings`, with reconnects and logged connection events."""
+
+from __future__ import annotations
+
+import ssl
+
+import nats
+import structlog
+from nats.aio.client import Client
+
+from bus.settings import NatsSettings
+
+log = structlog.get_logger(__name__)
+
+
+def tls_context(settings: NatsSettings) -> ssl.SSLContext | None:
+    if not settings.uses_tls:
+        return None
+    context = ssl.create_default_context(
+        ssl.Purpose.SERVER_AUTH, cafile=str(settings.tls_ca_file) if settings.tls_ca_file else None
+    )
+    if settings.tls_cert_file and settings.tls_key_file:
+        context.load_cert_chain(str(settings.tls_cert_file), str(settings.tls_key_file))
+    return context
+
+
+async def connect(settings: NatsSettings, name: str) -> Client:
+    """Open a connection; raises `ConnectionError` with the URLs tried when none answers."""
+
+    async def on_disconnect() -> None:
+        log.warning("nats.disconnected", name=name)
+
+    async def on_reconnect() -> None:
+        log.info("nats.reconnected", name=name)
+
+    async def on_error(error: Exception) -> None:
+        log.warning("nats.error", name=name, error=str(error))
+
+    try:
+        return await nats.connect(
+            servers=settings.urls,
+            name=name,
+            user=settings.user,
+            password=settings.password,
+            token=settings.token,
+            user_credentials=str(settings.creds_file) if settings.creds_file else None,
+            nkeys_seed=str(settings.nkey_seed_file) if settings.nkey_seed_file else None,
+            tls=tls_context(settings),
+            inbox_prefix=settings.inbox_prefix,
+            ping_interval=settings.ping_interval_s,
+            max_outstanding_pings=settings.max_outstanding_pings,
+            connect_timeout=settings.connect_timeout_s,
+            reconnect_time_wait=settings.reconnect_wait_s,
+            max_reconnect_attempts=settings.max_reconnect_attempts,
+            allow_reconnect=True,
+            disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect,
+            error_cb=on_error,
+        )
+    except Exception as error:
+        # nats-py raises a bare NoServersError after its attempts; say which servers were tried.
+        raise ConnectionError(f"cannot reach NATS at {', '.join(settings.urls)}: {error!r}") from error

@@ -1,0 +1,364 @@
+"""The pull-consumer loop every stage runs: fetch, decode once, handle, then ack / nak / term.
+
+A stage gives a typed handler `async def handle(task, delivery)`; this loop owns what happens to
+the message around it:
+
+| what happened                                  | what the loop does                                     |
+|------------------------------------------------|--------------------------------------------------------|
+| handler returned                               | ack                                                    |
+| payload not msgpack, or another wire version   | term, log the reason, count it                         |
+| payload fails validation, inbox readable       | `invalid_request` error frame to the inbox, ack        |
+| payload fails validation, no inbox             | term, log, count                                       |
+| request cancelled before it was pulled         | `cancelled` final frame, ack                           |
+| handler raised `RejectRequest`                 | error frame with its code, ack                         |
+| handler raised anything else, nothing streamed | nak with exponential backoff; at max_deliver: term and |
+|                                                | a retryable `internal` error frame                     |
+| handler raised after streaming some frames     | retryable error frame, term (a retry would repeat      |
+|                                                | output the client already has)                         |
+| worker stopping with the handler unfinished    | nak without delay, so another replica takes it         |
+
+While a handler runs, `in_progress` is sent every third of the ack wait so JetStream does not
+redeliver long work. At most `max_concurrency` handlers run at once per worker; fetches ask only
+for as many messages as there are free slots, so one replica never hoards work others could do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import ConnectionClosedError, NoServersError
+from nats.js import JetStreamContext
+from nats.js.errors import APIError
+from pydantic import TypeAdapter, ValidationError
+
+from bus.cancel import CancelRegistry
+from bus.errors import RejectRequest
+from bus.metrics import CANCELS, HANDLER_SECONDS, IN_FLIGHT, MESSAGES_HANDLED, MESSAGES_IN, REDELIVERIES, TERMINATIONS
+from bus.replies import ReplySender
+from bus.settings import BusSettings
+from bus.streams import ensure_work_consumer, work_consumer_config
+from bus.subjects import Names
+from bus.tracing import TraceContext
+from schemas.client import Inbox, RequestId
+from schemas.codec import WireVersionMismatch, check_wire_version, unpack
+from schemas.registry import Stage
+from schemas.replies import ErrorCode, FinishReason, Usage
+
+log = structlog.get_logger(__name__)
+
+_REQUEST_ID: TypeAdapter[str] = TypeAdapter(RequestId)
+_INBOX: TypeAdapter[str] = TypeAdapter(Inbox)
+
+
+class Addressed(Protocol):
+    """Anything a stage consumes: it names its request and the inbox replies go to."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def reply_to(self) -> str: ...
+
+
+TaskT = TypeVar("TaskT", bound=Addressed)
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """What a handler gets besides its task."""
+
+    request_id: str
+    # 1 on first delivery; higher after a nak or a lost worker.
+    num_delivered: int
+    # Seconds the task waited in the stream before this delivery.
+    queued_s: float
+    # This hop's trace context: pass it on when publishing the next stage's task.
+    trace: TraceContext
+    # Set when a Cancel for this request arrives (or had arrived before the handler started).
+    cancelled: asyncio.Event
+    # The request's reply stream; enter it (`async with`) to start heartbeats while streaming.
+    reply: ReplySender
+
+
+Handler = Callable[[TaskT, Delivery], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerOptions:
+    max_concurrency: int = 8
+    fetch_batch: int = 8
+    # How long one fetch waits for work; also the longest a stop waits for the fetch to return.
+    fetch_timeout_s: float = 1.0
+    # Defaults to a third of the consumer's ack wait.
+    in_progress_interval_s: float | None = None
+    # Coalescing window of reply streams this worker sends (0: every chunk goes out at once).
+    coalesce_window_s: float = 0.0
+
+
+class WorkConsumer(Generic[TaskT]):
+    def __init__(
+        self,
+        nc: Client,
+        js: JetStreamContext,
+        names: Names,
+        settings: BusSettings,
+        stage: Stage,
+        task_type: TypeAdapter[TaskT] | type[TaskT],
+        handler: Handler[TaskT],
+        cancels: CancelRegistry,
+        worker_id: str,
+        model: str | None = None,
+        options: ConsumerOptions = ConsumerOptions(),
+    ) -> None:
+        self._nc = nc
+        self._js = js
+        self._names = names
+        self._settings = settings
+        self.stage = stage
+        self.model = model
+        self._adapter: TypeAdapter[TaskT] = (
+            task_type if isinstance(task_type, TypeAdapter) else TypeAdapter(task_type)
+        )
+        self._handler = handler
+        self._cancels = cancels
+        self._worker_id = worker_id
+        self._options = options
+        self._in_progress_interval_s = options.in_progress_interval_s or settings.ack_wait_s / 3
+        self._subscription: JetStreamContext.PullSubscription | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._slot_freed = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._loop_done = asyncio.Event()
+
+    @property
+    def bound(self) -> bool:
+        return self._subscription is not None and not self._stopping.is_set()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    async def bind(self) -> None:
+        """Declare the shared durable consumer (idempotent) and bind a pull subscription to it."""
+        stream = self._names.work_stream(self.stage)
+        max_ack_pending = max(1024, self._options.max_concurrency * 64)
+        config = work_consumer_config(self._names, self.stage, self.model, self._settings, max_ack_pending)
+        await ensure_work_consumer(self._js, config, stream)
+        assert config.durable_name is not None
+        self._subscription = await self._js.pull_subscribe_bind(durable=config.durable_name, stream=stream)
+
+    async def run(self) -> None:
+        """Pull and handle work until `stop()`; returns once the loop has stopped fetching."""
+        if self._subscription is None:
+            await self.bind()
+        try:
+            while not self._stopping.is_set():
+                free_slots = self._options.max_concurrency - len(self._tasks)
+                if free_slots <= 0:
+                    self._slot_freed.clear()
+                    await self._slot_freed.wait()
+                    continue
+                for msg in await self._fetch(min(free_slots, self._options.fetch_batch)):
+                    self._spawn(msg)
+        finally:
+            self._loop_done.set()
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop fetching, give running handlers `grace_s` to finish, hand the rest back (nak)."""
+        self._stopping.set()
+        self._slot_freed.set()
+        if self._subscription is not None:
+            await self._loop_done.wait()
+        if self._tasks:
+            _, unfinished = await asyncio.wait(set(self._tasks), timeout=grace_s)
+            for task in unfinished:
+                task.cancel()
+            await asyncio.gather(*unfinished, return_exceptions=True)
+        if self._subscription is not None:
+            await self._subscription.unsubscribe()
+            self._subscription = None
+
+    async def _fetch(self, batch: int) -> list[Msg]:
+        assert self._subscription is not None
+        try:
+            return await self._subscription.fetch(batch=batch, timeout=self._options.fetch_timeout_s)
+        except TimeoutError:
+            return []
+        except (ConnectionClosedError, NoServersError, APIError) as error:
+            # NATS is away or restarting: the client reconnects; keep asking, but not in a hot loop.
+            log.warning("consumer.fetch_failed", stage=self.stage.value, error=repr(error))
+            await asyncio.sleep(self._settings.retry_base_s)
+            return []
+
+    def _spawn(self, msg: Msg) -> None:
+        task = asyncio.create_task(self._handle_guarded(msg))
+        self._tasks.add(task)
+        IN_FLIGHT.labels(stage=self.stage.value).inc()
+        task.add_done_callback(self._on_task_done)
+
+    def _on_task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        IN_FLIGHT.labels(stage=self.stage.value).dec()
+        self._slot_freed.set()
+
+    async def _handle_guarded(self, msg: Msg) -> None:
+        try:
+            await self._handle(msg)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # NATS failed under us while acking or replying: leave the message un-acked, so
+            # JetStream redelivers it after the ack wait.
+            log.exception("task.bus_error", stage=self.stage.value)
+
+    async def _handle(self, msg: Msg) -> None:
+        MESSAGES_IN.labels(stage=self.stage.value).inc()
+        if msg.metadata.num_delivered > 1:
+            REDELIVERIES.labels(stage=self.stage.value).inc()
+        try:
+            check_wire_version(msg.headers)
+        except WireVersionMismatch as error:
+            await self._terminate(msg, "wire_version", str(error))
+            return
+        try:
+            raw = unpack(msg.data)
+        except Exception as error:  # msgpack raises several unrelated types for garbage
+            await self._terminate(msg, "undecodable", f"not msgpack: {error!r}")
+            return
+        try:
+            task = self._adapter.validate_python(raw)
+        except ValidationError as error:
+            await self._reject_invalid(msg, raw, error)
+            return
+        with structlog.contextvars.bound_contextvars(
+            request_id=task.request_id, stage=self.stage.value, worker_id=self._worker_id
+        ):
+            await self._run_handler(msg, task)
+
+    async def _run_handler(self, msg: Msg, task: TaskT) -> None:
+        reply = ReplySender(
+            self._nc,
+            task.reply_to,
+            task.request_id,
+            coalesce_window_s=self._options.coalesce_window_s,
+            heartbeat_interval_s=self._settings.heartbeat_interval_s,
+        )
+        if self._cancels.is_cancelled(task.request_id):
+            CANCELS.labels(where="queued").inc()
+            log.info("task.dropped_cancelled")
+            await reply.finish(FinishReason.CANCELLED, Usage.of(0, 0))
+            await self._ack(msg, "cancelled")
+            return
+        with self._cancels.watch(task.request_id) as cancelled:
+            delivery = Delivery(
+                request_id=task.request_id,
+                num_delivered=msg.metadata.num_delivered,
+                queued_s=_queued_s(msg),
+                trace=TraceContext.from_headers(msg.headers).child(),
+                cancelled=cancelled,
+                reply=reply,
+            )
+            keep_alive = asyncio.create_task(self._keep_alive(msg))
+            started_s = time.perf_counter()
+            try:
+                await self._handler(task, delivery)
+            except RejectRequest as rejection:
+                await self._send_error(reply, rejection.code, rejection.message, retryable=False)
+                await self._ack(msg, "rejected")
+            except asyncio.CancelledError:
+                # The worker is stopping: hand the task back at once so another replica takes it.
+                await msg.nak()
+                MESSAGES_HANDLED.labels(stage=self.stage.value, outcome="handed_back").inc()
+                raise
+            except Exception as error:
+                await self._retry_or_give_up(msg, reply, error)
+            else:
+                await self._ack(msg, "acked")
+            finally:
+                keep_alive.cancel()
+                await reply.close_background()
+                HANDLER_SECONDS.labels(stage=self.stage.value).observe(time.perf_counter() - started_s)
+
+    async def _retry_or_give_up(self, msg: Msg, reply: ReplySender, error: Exception) -> None:
+        delivery_count = msg.metadata.num_delivered
+        if reply.frames_sent > 0:
+            log.exception("task.failed_mid_stream", error=repr(error))
+            await self._send_error(reply, ErrorCode.INTERNAL, f"failed mid-stream: {error}", retryable=True)
+            await self._term(msg, "failed_mid_stream")
+            return
+        if delivery_count >= self._settings.max_deliver:
+            log.exception("task.given_up", deliveries=delivery_count, error=repr(error))
+            message = f"failed after {delivery_count} attempts: {error}"
+            await self._send_error(reply, ErrorCode.INTERNAL, message, retryable=True)
+            await self._term(msg, "max_deliver")
+            return
+        delay_s = min(self._settings.retry_base_s * 2 ** (delivery_count - 1), self._settings.retry_max_s)
+        log.warning("task.retrying", deliveries=delivery_count, delay_s=delay_s, error=repr(error))
+        await msg.nak(delay=delay_s)
+        MESSAGES_HANDLED.labels(stage=self.stage.value, outcome="retried").inc()
+
+    async def _reject_invalid(self, msg: Msg, raw: Any, error: ValidationError) -> None:
+        request_id, reply_to = _address_of(raw)
+        summary = _summarize(error)
+        if request_id is None or reply_to is None:
+            await self._terminate(msg, "undecodable", f"invalid and unaddressed: {summary}")
+            return
+        log.info("task.invalid", request_id=request_id, reason=summary)
+        reply = ReplySender(self._nc, reply_to, request_id)
+        await self._send_error(reply, ErrorCode.INVALID_REQUEST, summary, retryable=False)
+        await self._ack(msg, "rejected")
+
+    async def _send_error(self, reply: ReplySender, code: ErrorCode, message: str, retryable: bool) -> None:
+        if reply.closed:
+            return
+        await reply.fail(code, message, retryable=retryable)
+
+    async def _keep_alive(self, msg: Msg) -> None:
+        while True:
+            await asyncio.sleep(self._in_progress_interval_s)
+            await msg.in_progress()
+
+    async def _terminate(self, msg: Msg, reason: str, detail: str) -> None:
+        log.warning("task.terminated", stage=self.stage.value, reason=reason, detail=detail)
+        TERMINATIONS.labels(stage=self.stage.value, reason=reason).inc()
+        await self._term(msg, "terminated")
+
+    async def _term(self, msg: Msg, outcome: str) -> None:
+        await msg.term()
+        MESSAGES_HANDLED.labels(stage=self.stage.value, outcome=outcome).inc()
+
+    async def _ack(self, msg: Msg, outcome: str) -> None:
+        await msg.ack()
+        MESSAGES_HANDLED.labels(stage=self.stage.value, outcome=outcome).inc()
+
+
+def _queued_s(msg: Msg) -> float:
+    stored_at = msg.metadata.timestamp
+    return max(0.0, time.time() - stored_at.timestamp()) if stored_at else 0.0
+
+
+def _address_of(raw: Any) -> tuple[str | None, str | None]:
+    """The request id and inbox of a payload that failed validation, where they can be read."""
+    if not isinstance(raw, dict):
+        return None, None
+    source = raw.get("header") if isinstance(raw.get("header"), dict) else raw
+    try:
+        return _REQUEST_ID.validate_python(source.get("request_id")), _INBOX.validate_python(source.get("reply_to"))
+    except ValidationError:
+        return None, None
+
+
+def _summarize(error: ValidationError, max_errors: int = 5) -> str:
+    parts = []
+    for detail in error.errors()[:max_errors]:
+        location = ".".join(str(part) for part in detail["loc"]) or "request"
+        parts.append(f"{location}: {detail['msg']}")
+    more = error.error_count() - max_errors
+    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")

@@ -1,0 +1,52 @@
+"""Exceptions that cross the boundary between handlers and the bus, each with one outcome."""
+
+from __future__ import annotations
+
+from schemas.replies import ErrorCode, ErrorFrame
+
+
+class PayloadTooLarge(ValueError):
+    """A message larger than the stream or the server accepts; raised before anything is sent."""
+
+    def __init__(self, subject: str, size_bytes: int, limit_bytes: int) -> None:
+        super().__init__(
+            f"message for {subject} is {size_bytes} bytes, over the limit of {limit_bytes} bytes "
+            "(CONVEYOR_MAX_MESSAGE_BYTES, capped by the server's max_payload)"
+        )
+        self.size_bytes = size_bytes
+        self.limit_bytes = limit_bytes
+
+
+class RejectRequest(Exception):
+    """Raised by a handler for a request that can never succeed: the client gets an error frame
+    with this code and the task is acked (retrying it would fail the same way)."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class RetryLater(Exception):
+    """Raised by a handler for a transient failure: the task is redelivered after a backoff, up to
+    the consumer's max_deliver. Any other unexpected exception is treated the same way."""
+
+
+class RemoteError(Exception):
+    """The pipeline answered a request with an error frame."""
+
+    def __init__(self, frame: ErrorFrame) -> None:
+        super().__init__(f"{frame.code.value}: {frame.message}")
+        self.frame = frame
+
+    @property
+    def code(self) -> ErrorCode:
+        return self.frame.code
+
+
+class ReplyStreamBroken(Exception):
+    """No frame arrived within the heartbeat window: the sender died or the network split."""
+
+
+class ReplyGap(Exception):
+    """A frame was lost between sender and receiver (a sequence number was skipped)."""

@@ -1,0 +1,51 @@
+"""Publishing tasks to work streams: size-checked, deduplicated, traced."""
+
+from __future__ import annotations
+
+import structlog
+from nats.js import JetStreamContext
+
+from bus.errors import PayloadTooLarge
+from bus.metrics import MESSAGES_OUT
+from bus.subjects import Names
+from bus.tracing import TRACEPARENT_HEADER, TraceContext
+from schemas.base import WireModel
+from schemas.codec import WIRE_VERSION, WIRE_VERSION_HEADER, encode
+from schemas.registry import Stage
+
+log = structlog.get_logger(__name__)
+
+MSG_ID_HEADER = "Nats-Msg-Id"
+
+
+class TaskPublisher:
+    """Puts tasks on a stage's work subject.
+
+    `Nats-Msg-Id` is the request id, so JetStream drops a second copy published within the dedupe
+    window: a client retrying a publish, or a stage redelivered after it already forwarded a task,
+    does not run the request twice.
+    """
+
+    def __init__(self, js: JetStreamContext, names: Names, max_message_bytes: int) -> None:
+        self._js = js
+        self._names = names
+        self.max_message_bytes = max_message_bytes
+
+    async def publish(
+        self, stage: Stage, task: WireModel, request_id: str, trace: TraceContext, model: str | None = None
+    ) -> bool:
+        """Publish; returns False when JetStream discarded it as a duplicate."""
+        subject = self._names.work_subject(stage, model)
+        payload = encode(task)
+        if len(payload) > self.max_message_bytes:
+            raise PayloadTooLarge(subject, len(payload), self.max_message_bytes)
+        headers = {
+            MSG_ID_HEADER: request_id,
+            WIRE_VERSION_HEADER: str(WIRE_VERSION),
+            TRACEPARENT_HEADER: trace.traceparent,
+        }
+        ack = await self._js.publish(subject, payload, headers=headers)
+        MESSAGES_OUT.labels(stage=stage.value).inc()
+        if ack.duplicate:
+            log.info("publish.duplicate_dropped", subject=subject, request_id=request_id)
+        return not ack.duplicate

@@ -1,0 +1,90 @@
+"""Worker cards in the registry bucket, refreshed on a heartbeat and expired by the bucket's TTL."""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+from nats.js.errors import KeyNotFoundError, NoKeysError
+from nats.js.kv import KeyValue
+from pydantic import ValidationError
+
+from schemas.codec import decode, encode
+from schemas.registry import ServingMode, Stage, WorkerCard
+
+log = structlog.get_logger(__name__)
+
+# The stages a serving mode needs live before its model counts as ready.
+REQUIRED_STAGES: dict[ServingMode, frozenset[Stage]] = {
+    ServingMode.AGGREGATED: frozenset({Stage.PROCESSOR, Stage.DECODE}),
+    ServingMode.DISAGGREGATED: frozenset({Stage.PROCESSOR, Stage.PREFILL, Stage.DECODE}),
+    ServingMode.MULTIMODAL: frozenset({Stage.PROCESSOR, Stage.ENCODE, Stage.DECODE}),
+    ServingMode.EMBEDDING: frozenset({Stage.PROCESSOR, Stage.EMBED}),
+}
+
+
+class Registration:
+    """This worker's card in the bucket: written now, refreshed every third of the TTL, removed
+    by `close()`. `update()` replaces the card (readiness, KV usage) without a gap."""
+
+    def __init__(self, bucket: KeyValue, card: WorkerCard, ttl_s: float) -> None:
+        self._bucket = bucket
+        self.card = card
+        self._refresh_s = ttl_s / 3
+        self._task: asyncio.Task[None] | None = None
+
+    async def open(self) -> None:
+        await self._write()
+        self._task = asyncio.create_task(self._refresh_loop(), name=f"registry-{self.card.worker_id}")
+
+    async def update(self, card: WorkerCard) -> None:
+        self.card = card
+        await self._write()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        await self._bucket.delete(self.card.worker_id)
+
+    async def _write(self) -> None:
+        await self._bucket.put(self.card.worker_id, encode(self.card))
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._refresh_s)
+            try:
+                await self._write()
+            except Exception as error:  # NATS briefly away: the next beat tries again
+                log.warning("registry.refresh_failed", error=repr(error))
+
+
+async def live_workers(bucket: KeyValue) -> list[WorkerCard]:
+    try:
+        keys = await bucket.keys()
+    except NoKeysError:
+        return []
+    cards = []
+    for key in keys:
+        try:
+            entry = await bucket.get(key)
+        except KeyNotFoundError:
+            continue  # expired between listing and reading
+        if entry.value:
+            try:
+                cards.append(decode(entry.value, WorkerCard))
+            except (ValueError, ValidationError) as error:
+                log.warning("registry.bad_card", key=key, error=str(error))
+    return sorted(cards, key=lambda card: (card.model, card.stage.value, card.worker_id))
+
+
+def ready_models(cards: list[WorkerCard]) -> dict[str, ServingMode]:
+    """Models for which every stage of their mode has at least one ready worker."""
+    ready_stages: dict[tuple[str, ServingMode], set[Stage]] = {}
+    for card in cards:
+        if card.ready:
+            ready_stages.setdefault((card.model, card.mode), set()).add(card.stage)
+    return {
+        model: mode for (model, mode), stages in ready_stages.items() if REQUIRED_STAGES[mode] <= stages
+    }

@@ -1,0 +1,334 @@
+"""Reply streams: a worker sends numbered frames to a client's inbox; the client reads them in order.
+
+Sender side: `ReplySender` numbers frames from 0, can coalesce tokens that arrive within a small
+window into one chunk (fewer messages at high token rates), sends a `Heartbeat` frame when it has
+been quiet for the heartbeat interval, and probes `{inbox}.alive` so a worker can stop generating
+for a client that is gone.
+
+Receiver side: `ReplyStream` subscribes before the request is published, answers liveness probes,
+yields chunks in order and ends at the terminal frame. It raises `ReplyGap` when a frame is missing,
+`ReplyStreamBroken` when nothing arrives within the window, and `RemoteError` on an error frame, so
+a client never waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from types import TracebackType
+from typing import TypeVar
+
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from bus.errors import RemoteError, ReplyGap, ReplyStreamBroken
+from bus.metrics import CLIENTS_GONE, REPLY_FRAMES
+from schemas.codec import WIRE_VERSION, WIRE_VERSION_HEADER, decode_as, encode
+from schemas.replies import (
+    REPLY_FRAME,
+    ChatCompletionChunk,
+    EmbeddingResult,
+    ErrorCode,
+    ErrorFrame,
+    FinalFrame,
+    FinishReason,
+    Heartbeat,
+    ReplyFrame,
+    TokenChunk,
+    TokenLogprob,
+    Usage,
+)
+
+log = structlog.get_logger(__name__)
+
+_HEADERS = {WIRE_VERSION_HEADER: str(WIRE_VERSION)}
+# Inbox subscriptions must absorb bursts of tens of thousands of frames without dropping any.
+_INBOX_PENDING_MSGS = 1_000_000
+_INBOX_PENDING_BYTES = 512 * 1024 * 1024
+
+
+def alive_subject(inbox: str) -> str:
+    return f"{inbox}.alive"
+
+
+class ReplySender:
+    """Streams one request's frames to its inbox. Not shared between requests."""
+
+    def __init__(
+        self,
+        nc: Client,
+        reply_to: str,
+        request_id: str,
+        *,
+        coalesce_window_s: float = 0.0,
+        heartbeat_interval_s: float = 1.0,
+    ) -> None:
+        self._nc = nc
+        self.reply_to = reply_to
+        self.request_id = request_id
+        self._coalesce_window_s = coalesce_window_s
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._seq = 0
+        self._closed = False
+        self._last_sent_s = time.monotonic()
+        # Sequence numbers must go out in order, so a frame is numbered and handed to the
+        # connection under one lock.
+        self._lock = asyncio.Lock()
+        # A window flush in progress must finish before a terminal frame goes out.
+        self._flush_lock = asyncio.Lock()
+        self._pending: list[TokenChunk] = []
+        self._flush_task: asyncio.Task[None] | None = None
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self.client_gone = asyncio.Event()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def frames_sent(self) -> int:
+        return self._seq
+
+    async def close_background(self) -> None:
+        """Stop heartbeats and drop nothing: pending coalesced tokens are flushed first."""
+        if not self._closed:
+            await self._flush()
+        await self._stop_background()
+
+    async def __aenter__(self) -> ReplySender:
+        self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat-{self.request_id}")
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self._stop_background()
+
+    async def send_tokens(
+        self,
+        token_ids: list[int],
+        text: str | None = None,
+        logprobs: list[TokenLogprob] | None = None,
+        index: int = 0,
+        openai: ChatCompletionChunk | None = None,
+    ) -> None:
+        chunk = TokenChunk(
+            request_id=self.request_id, seq=0, token_ids=token_ids, text=text, logprobs=logprobs, index=index,
+            openai=openai,
+        )
+        if self._coalesce_window_s <= 0 or openai is not None:
+            # An OpenAI chunk is a whole event for its client; it is not merged with others.
+            await self._flush()
+            await self._send_chunk(chunk)
+            return
+        self._pending.append(chunk)
+        if self._flush_task is None:
+            self._flush_task = asyncio.create_task(self._flush_after_window())
+
+    async def finish(self, reason: FinishReason, usage: Usage, matched_stop: str | int | None = None) -> None:
+        await self._flush()
+        await self._send_terminal(
+            FinalFrame(request_id=self.request_id, seq=0, finish_reason=reason, usage=usage, matched_stop=matched_stop)
+        )
+
+    async def fail(self, code: ErrorCode, message: str, retryable: bool = False) -> None:
+        await self._flush()
+        await self._send_terminal(
+            ErrorFrame(request_id=self.request_id, seq=0, code=code, message=message, retryable=retryable)
+        )
+
+    async def send_embedding(self, result: EmbeddingResult) -> None:
+        await self._send_terminal(result)
+
+    async def heartbeat(self) -> None:
+        await self._publish(Heartbeat(request_id=self.request_id, seq=0))
+
+    async def client_alive(self, timeout_s: float) -> bool:
+        """Ask the client's receiver whether it is still reading.
+
+        No responders means nobody subscribes to the inbox any more: the client is gone. A slow
+        answer is not taken as gone; only the absence of any subscriber is.
+        """
+        try:
+            await self._nc.request(alive_subject(self.reply_to), b"", timeout=timeout_s)
+        except NoRespondersError:
+            return False
+        except (NatsTimeoutError, asyncio.TimeoutError):
+            return True
+        return True
+
+    async def _heartbeat_loop(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(self._heartbeat_interval_s)
+            if self._closed:
+                return
+            if time.monotonic() - self._last_sent_s >= self._heartbeat_interval_s:
+                await self.heartbeat()
+            if not await self.client_alive(timeout_s=self._heartbeat_interval_s):
+                CLIENTS_GONE.inc()
+                log.info("reply.client_gone", request_id=self.request_id)
+                self.client_gone.set()
+                return
+
+    async def _flush_after_window(self) -> None:
+        await asyncio.sleep(self._coalesce_window_s)
+        self._flush_task = None
+        await self._flush()
+
+    async def _flush(self) -> None:
+        if self._flush_task is not None and self._flush_task is not asyncio.current_task():
+            self._flush_task.cancel()
+            self._flush_task = None
+        async with self._flush_lock:
+            pending, self._pending = self._pending, []
+            for merged in _merge_chunks(pending):
+                await self._send_chunk(merged)
+
+    async def _send_chunk(self, chunk: TokenChunk) -> None:
+        await self._publish(chunk)
+
+    async def _send_terminal(self, frame: FinalFrame | ErrorFrame | EmbeddingResult) -> None:
+        await self._publish(frame)
+        self._closed = True
+        await self._stop_background()
+
+    async def _publish(self, frame: ReplyFrame) -> None:
+        if self._closed:
+            raise RuntimeError(f"reply stream of {self.request_id} already ended")
+        async with self._lock:
+            numbered = frame.model_copy(update={"seq": self._seq})
+            self._seq += 1
+            await self._nc.publish(self.reply_to, encode(numbered), headers=_HEADERS)
+            self._last_sent_s = time.monotonic()
+        REPLY_FRAMES.labels(kind=numbered.kind).inc()
+
+    async def _stop_background(self) -> None:
+        current = asyncio.current_task()
+        for task in (self._heartbeat_task, self._flush_task):
+            if task is not None and task is not current and not task.done():
+                task.cancel()
+        self._heartbeat_task = None
+
+
+def _merge_chunks(chunks: list[TokenChunk]) -> list[TokenChunk]:
+    """Merge consecutive chunks of the same completion index into one."""
+    merged: list[TokenChunk] = []
+    for chunk in chunks:
+        if merged and merged[-1].index == chunk.index:
+            last = merged[-1]
+            merged[-1] = last.model_copy(
+                update={
+                    "token_ids": last.token_ids + chunk.token_ids,
+                    "text": _join_optional(last.text, chunk.text),
+                    "logprobs": _join_optional(last.logprobs, chunk.logprobs),
+                }
+            )
+        else:
+            merged.append(chunk)
+    return merged
+
+
+_Joinable = TypeVar("_Joinable", str, list[TokenLogprob])
+
+
+def _join_optional(first: _Joinable | None, second: _Joinable | None) -> _Joinable | None:
+    if first is None:
+        return second
+    if second is None:
+        return first
+    return first + second
+
+
+class ReplyStream:
+    """Reads one request's frames from its inbox, in order; use as an async context manager.
+
+    Subscribe (enter the context) before publishing the request, or early frames are lost.
+    `first_frame_timeout_s` bounds the wait while the request is still queued (nothing heartbeats
+    a queued request); `heartbeat_timeout_s` bounds every wait after the first frame.
+    """
+
+    def __init__(
+        self,
+        nc: Client,
+        inbox: str,
+        request_id: str,
+        *,
+        heartbeat_timeout_s: float = 5.0,
+        first_frame_timeout_s: float = 60.0,
+    ) -> None:
+        self._nc = nc
+        self.inbox = inbox
+        self.request_id = request_id
+        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._first_frame_timeout_s = first_frame_timeout_s
+        self._frames: asyncio.Queue[Msg] = asyncio.Queue()
+        self._subscriptions: list[Subscription] = []
+        self._next_seq = 0
+        self.terminal: FinalFrame | EmbeddingResult | None = None
+
+    async def __aenter__(self) -> ReplyStream:
+        if self._subscriptions:
+            return self  # already subscribed (PipelineClient.submit enters it before publishing)
+        self._subscriptions.append(
+            await self._nc.subscribe(
+                self.inbox,
+                cb=self._frames.put,
+                pending_msgs_limit=_INBOX_PENDING_MSGS,
+                pending_bytes_limit=_INBOX_PENDING_BYTES,
+            )
+        )
+        self._subscriptions.append(await self._nc.subscribe(alive_subject(self.inbox), cb=self._answer_alive))
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        for subscription in self._subscriptions:
+            await subscription.unsubscribe()
+        self._subscriptions.clear()
+
+    async def _answer_alive(self, msg: Msg) -> None:
+        if msg.reply:
+            await self._nc.publish(msg.reply, b"")
+
+    def __aiter__(self) -> AsyncIterator[TokenChunk]:
+        return self._chunks()
+
+    async def _chunks(self) -> AsyncIterator[TokenChunk]:
+        while self.terminal is None:
+            frame = await self._next_frame()
+            if isinstance(frame, TokenChunk):
+                yield frame
+            elif isinstance(frame, ErrorFrame):
+                raise RemoteError(frame)
+            elif isinstance(frame, FinalFrame | EmbeddingResult):
+                self.terminal = frame
+
+    async def collect(self) -> tuple[list[TokenChunk], FinalFrame | EmbeddingResult]:
+        """Read the whole stream: every chunk, and the terminal frame."""
+        chunks = [chunk async for chunk in self]
+        assert self.terminal is not None
+        return chunks, self.terminal
+
+    async def _next_frame(self) -> ReplyFrame:
+        timeout_s = self._first_frame_timeout_s if self._next_seq == 0 else self._heartbeat_timeout_s
+        try:
+            msg = await asyncio.wait_for(self._frames.get(), timeout=timeout_s)
+        except TimeoutError:
+            state = "no frame yet" if self._next_seq == 0 else f"last frame was #{self._next_seq - 1}"
+            raise ReplyStreamBroken(
+                f"reply stream of {self.request_id} silent for {timeout_s:.1f} s ({state})"
+            ) from None
+        frame = decode_as(msg.data, REPLY_FRAME)
+        if frame.seq != self._next_seq:
+            raise ReplyGap(f"reply stream of {self.request_id}: expected frame #{self._next_seq}, got #{frame.seq}")
+        self._next_seq += 1
+        return frame

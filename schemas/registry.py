@@ -1,0 +1,57 @@
+"""Worker cards in the `{ns}_workers` KV bucket: who serves what, and where to reach it.
+
+A worker rewrites its card every few seconds; the bucket's TTL removes the card of a worker that
+stopped heartbeating, so the registry only lists live workers.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import Field
+
+from schemas.base import WireModel
+
+
+class Stage(StrEnum):
+    PROCESSOR = "processor"
+    ENCODE = "encode"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    EMBED = "embed"
+    DIFFUSION = "diffusion"
+
+
+class ServingMode(StrEnum):
+    AGGREGATED = "aggregated"  # processor → decode
+    DISAGGREGATED = "disaggregated"  # processor → prefill → decode
+    MULTIMODAL = "multimodal"  # processor → encode → (prefill →) decode
+    EMBEDDING = "embedding"  # processor → embed
+
+
+class BootstrapEndpoint(WireModel):
+    host: str
+    port: int = Field(ge=1, le=65535)
+
+
+class KvCapacity(WireModel):
+    block_size: int = Field(ge=1)
+    total_blocks: int = Field(ge=0)
+    used_blocks: int = Field(ge=0)
+
+
+class WorkerCard(WireModel):
+    worker_id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_\-]+$")
+    stage: Stage
+    model: str
+    mode: ServingMode
+    engine: str
+    host: str
+    pid: int
+    started_at_s: float
+    metrics_url: str | None = None
+    bootstrap: BootstrapEndpoint | None = None
+    kv: KvCapacity | None = None
+    context_length: int | None = None
+    ready: bool = False
+    wire_version: int

@@ -1,0 +1,147 @@
+"""Frames a worker publishes to a request's reply inbox (core NATS, in order, numbered).
+
+A stream is zero or more `TokenChunk` / `Heartbeat` frames ended by exactly one terminal frame:
+`FinalFrame`, `ErrorFrame` or `EmbeddingResult`. `seq` counts from 0 per sender, so a receiver can
+detect a lost frame. A sender that has been quiet for its heartbeat interval sends a `Heartbeat`
+as a request: the receiver answers it, which tells the sender the client is still there.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import Field, TypeAdapter
+
+from schemas.base import WireModel
+from schemas.client import RequestId
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # EOS, a stop string or a stop token
+    LENGTH = "length"  # max_tokens or the context limit
+    CANCELLED = "cancelled"  # a Cancel on the control subject, or the client went away
+    ERROR = "error"  # the engine failed mid-generation
+    CONTENT_FILTER = "content_filter"
+
+
+class ErrorCode(StrEnum):
+    INVALID_REQUEST = "invalid_request"  # malformed fields or values out of range
+    UNKNOWN_MODEL = "unknown_model"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    UNSUPPORTED = "unsupported"  # a valid option this engine cannot honour
+    OVERLOADED = "overloaded"
+    TIMEOUT = "timeout"
+    WORKER_LOST = "worker_lost"  # the worker serving it died; safe to retry
+    INTERNAL = "internal"
+
+
+class Usage(WireModel):
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    total_tokens: int = Field(ge=0)
+    # Prompt tokens served from the prefix cache instead of recomputed.
+    cached_tokens: int = Field(default=0, ge=0)
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            cached_tokens=cached_tokens,
+        )
+
+
+class TopLogprob(WireModel):
+    token_id: int
+    logprob: float
+
+
+class TokenLogprob(WireModel):
+    token_id: int
+    logprob: float
+    top: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatDelta(WireModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(WireModel):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(WireModel):
+    """OpenAI's streaming `chat.completion.chunk`, for clients that asked for that shape."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class TokenChunk(WireModel):
+    kind: Literal["chunk"] = "chunk"
+    request_id: RequestId
+    seq: int = Field(ge=0)
+    # Disjoint deltas: the ids generated since the previous chunk.
+    token_ids: list[int]
+    text: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    # Which of n parallel completions these tokens belong to.
+    index: int = 0
+    openai: ChatCompletionChunk | None = None
+
+
+class Heartbeat(WireModel):
+    kind: Literal["heartbeat"] = "heartbeat"
+    request_id: RequestId
+    seq: int = Field(ge=0)
+
+
+class FinalFrame(WireModel):
+    kind: Literal["final"] = "final"
+    request_id: RequestId
+    seq: int = Field(ge=0)
+    finish_reason: FinishReason
+    usage: Usage
+    # The stop string or stop token id that ended generation, when one did.
+    matched_stop: str | int | None = None
+
+
+class ErrorFrame(WireModel):
+    kind: Literal["error"] = "error"
+    request_id: RequestId
+    seq: int = Field(ge=0)
+    code: ErrorCode
+    message: str
+    # True when sending the same request again may succeed (worker lost, overloaded, timeout).
+    retryable: bool = False
+
+
+class Embedding(WireModel):
+    index: int = Field(ge=0)
+    # float32 values, or their little-endian bytes when the request asked for base64.
+    vector: list[float] | bytes
+
+
+class EmbeddingResult(WireModel):
+    kind: Literal["embedding"] = "embedding"
+    request_id: RequestId
+    seq: int = Field(ge=0)
+    model: str
+    data: list[Embedding]
+    usage: Usage
+
+
+ReplyFrame = Annotated[
+    TokenChunk | Heartbeat | FinalFrame | ErrorFrame | EmbeddingResult, Field(discriminator="kind")
+]
+REPLY_FRAME = TypeAdapter(ReplyFrame)
+TerminalFrame = FinalFrame | ErrorFrame | EmbeddingResult

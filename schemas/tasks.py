@@ -1,0 +1,110 @@
+"""Work the processor hands to the other stages: preprocessed requests and the disaggregated handoff.
+
+A task always carries the client's `request_id` and `reply_to`, so whichever stage finishes the
+request (or fails it) streams to the client directly, and `created_at_s` so each stage can measure
+the time a request spent queued.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from schemas.base import WireModel
+from schemas.client import Inbox, MediaUrl, RequestId, StreamFormat
+from schemas.sampling import GuidedDecoding, OutputOptions, SamplingOptions, StopConditions
+
+
+class MediaItem(WireModel):
+    modality: Literal["image", "video"]
+    source: MediaUrl
+
+
+class PreprocessedRequest(WireModel):
+    """A request after the chat template and the tokenizer: what an engine is asked to run."""
+
+    model: str = Field(min_length=1)
+    token_ids: list[int] = Field(min_length=1)
+    sampling: SamplingOptions = SamplingOptions()
+    stop: StopConditions = StopConditions()
+    output: OutputOptions = OutputOptions()
+    guided: GuidedDecoding | None = None
+    # EOS ids of the model's generation config; the engine stops on these unless ignore_eos.
+    eos_token_ids: list[int] = Field(default_factory=list)
+    media: list[MediaItem] = Field(default_factory=list)
+    priority: int | None = None
+
+
+class TaskHeader(WireModel):
+    """Identity and reply path of a task, copied hop to hop."""
+
+    request_id: RequestId
+    reply_to: Inbox
+    stream_format: StreamFormat = StreamFormat.TEXT
+    # Unix time when the client's request entered the pipeline.
+    created_at_s: float = Field(ge=0.0)
+
+
+class BootstrapInfo(WireModel):
+    """Where a decode engine joins the prefill engine's KV transfer (SGLang's PD bootstrap)."""
+
+    bootstrap_host: str = Field(min_length=1)
+    bootstrap_port: int = Field(ge=1, le=65535)
+    # SGLang draws rooms as random 63-bit integers.
+    bootstrap_room: int = Field(ge=0, lt=2**63)
+
+
+class NixlHandle(WireModel):
+    """Memory another process can read over NIXL: the owner agent's metadata and its descriptors."""
+
+    agent_name: str
+    agent_metadata: bytes
+    serialized_descriptors: bytes
+    shape: list[int]
+    dtype: str
+
+
+class Task(WireModel):
+    """A unit of work for one stage; `request_id` and `reply_to` read through to the header."""
+
+    header: TaskHeader
+
+    @property
+    def request_id(self) -> str:
+        return self.header.request_id
+
+    @property
+    def reply_to(self) -> str:
+        return self.header.reply_to
+
+
+class EncodeTask(Task):
+    kind: Literal["encode"] = "encode"
+    request: PreprocessedRequest
+    # The stage that continues once the media is encoded.
+    next_stage: Literal["prefill", "decode"]
+
+
+class PrefillTask(Task):
+    kind: Literal["prefill"] = "prefill"
+    request: PreprocessedRequest
+    # Given by a router that chose it; otherwise the prefill worker draws one.
+    bootstrap_room: int | None = Field(default=None, ge=0, lt=2**63)
+    media_embeddings: NixlHandle | None = None
+
+
+class DecodeTask(Task):
+    kind: Literal["decode"] = "decode"
+    request: PreprocessedRequest
+    # Present in disaggregated mode: join this room and receive the prompt's KV instead of prefilling.
+    bootstrap: BootstrapInfo | None = None
+    media_embeddings: NixlHandle | None = None
+
+
+class EmbedTask(Task):
+    kind: Literal["embed"] = "embed"
+    model: str = Field(min_length=1)
+    inputs: list[list[int]] = Field(min_length=1)
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)

@@ -1,0 +1,79 @@
+"""Fixtures: one real nats-server with JetStream per test session, a fresh namespace per test."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+import pytest
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+
+from bus.cancel import CancelRegistry
+from bus.connection import connect
+from bus.server import EmbeddedNatsServer
+from bus.settings import BusSettings, NatsSettings
+from bus.streams import declare_all
+from bus.subjects import Names
+
+
+@pytest.fixture(scope="session")
+def nats_server() -> Iterator[EmbeddedNatsServer]:
+    with EmbeddedNatsServer() as server:
+        yield server
+
+
+@pytest.fixture
+def nats_settings(nats_server: EmbeddedNatsServer) -> NatsSettings:
+    return NatsSettings(urls=[nats_server.url])
+
+
+@dataclass
+class Bus:
+    """A connection and a declared namespace of our own, so tests never see each other's streams."""
+
+    nc: Client
+    js: JetStreamContext
+    names: Names
+    settings: BusSettings
+    registry: KeyValue
+    nats_settings: NatsSettings
+
+    async def cancel_registry(self) -> CancelRegistry:
+        registry = CancelRegistry(self.nc, self.js, self.names, self.settings.cancel_ttl_s)
+        await registry.start()
+        return registry
+
+
+def bus_settings(**overrides: object) -> BusSettings:
+    namespace = f"t{uuid.uuid4().hex[:10]}"
+    defaults: dict[str, object] = {
+        "namespace": namespace,
+        "ack_wait_s": 5.0,
+        "max_deliver": 3,
+        "retry_base_s": 0.1,
+        "retry_max_s": 1.0,
+        "heartbeat_interval_s": 0.2,
+        "heartbeat_timeout_s": 1.0,
+        "registry_ttl_s": 3.0,
+    }
+    return BusSettings(**{**defaults, **overrides})  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def settings() -> BusSettings:
+    return bus_settings()
+
+
+@pytest.fixture
+async def bus(nats_settings: NatsSettings, settings: BusSettings) -> AsyncIterator[Bus]:
+    nc = await connect(nats_settings, name="tests")
+    js = nc.jetstream()
+    names = Names(settings.namespace)
+    registry = await declare_all(js, names, settings, nc.max_payload)
+    try:
+        yield Bus(nc=nc, js=js, names=names, settings=settings, registry=registry, nats_settings=nats_settings)
+    finally:
+        await nc.close()
