@@ -76,7 +76,8 @@ class BusSettings(BaseSettings):
     # Work older than this is dropped by the stream (a client waits far less than an hour).
     work_max_age_s: float = Field(default=3600.0, gt=0)
     work_max_msgs: int = Field(default=1_000_000, ge=1)
-    work_max_bytes: int = Field(default=1 << 30, ge=1)
+    # Reserved in JetStream's storage per stage stream, so kept modest; raise it for deep queues.
+    work_max_bytes: int = Field(default=256 << 20, ge=1)
     # A re-published task with the same Nats-Msg-Id inside this window is dropped as a duplicate.
     dedupe_window_s: float = Field(default=120.0, gt=0)
     # Largest task we publish; checked before sending, and never above the server's max_payload.

@@ -139,12 +139,19 @@ async def ensure_work_consumer(js: JetStreamContext, config: ConsumerConfig, str
     await js.add_consumer(stream, config)
 
 
+async def delete_all(js: JetStreamContext, names: Names) -> None:
+    """Remove every stream of the namespace, with what it holds (tests, `conveyor streams --delete`)."""
+    for name in names.all_streams:
+        try:
+            await js.delete_stream(name)
+        except NotFoundError:
+            continue
+
+
 async def report(js: JetStreamContext, names: Names) -> list[StreamReport]:
     """What `conveyor streams` prints: each of our streams and what it holds."""
     reports = []
-    stream_names = [names.work_stream(stage) for stage in Stage]
-    stream_names += [names.control_stream, names.kv_events_stream, f"KV_{names.registry_bucket}"]
-    for name in stream_names:
+    for name in names.all_streams:
         try:
             info = await js.stream_info(name)
         except NotFoundError:

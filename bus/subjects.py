@@ -73,4 +73,15 @@ class Names:
 
     @property
     def registry_bucket(self) -> str:
-        return f"{self.namespace.replace('-', '_')}_workers"
+        return f"{self.namespace}_workers"
+
+    @property
+    def registry_stream(self) -> str:
+        # JetStream keeps a KV bucket in a stream of this name.
+        return f"KV_{self.registry_bucket}"
+
+    @property
+    def all_streams(self) -> list[str]:
+        """Every stream this namespace declares."""
+        work = [self.work_stream(stage) for stage in Stage]
+        return [*work, self.control_stream, self.kv_events_stream, self.registry_stream]

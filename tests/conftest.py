@@ -15,7 +15,7 @@ from bus.cancel import CancelRegistry
 from bus.connection import connect
 from bus.server import EmbeddedNatsServer
 from bus.settings import BusSettings, NatsSettings
-from bus.streams import declare_all
+from bus.streams import declare_all, delete_all
 from bus.subjects import Names
 
 
@@ -58,6 +58,8 @@ def bus_settings(**overrides: object) -> BusSettings:
         "heartbeat_interval_s": 0.2,
         "heartbeat_timeout_s": 1.0,
         "registry_ttl_s": 3.0,
+        # Every test declares its own namespace; keep the storage each reserves small.
+        "work_max_bytes": 8 << 20,
     }
     return BusSettings(**{**defaults, **overrides})  # type: ignore[arg-type]
 
@@ -76,4 +78,6 @@ async def bus(nats_settings: NatsSettings, settings: BusSettings) -> AsyncIterat
     try:
         yield Bus(nc=nc, js=js, names=names, settings=settings, registry=registry, nats_settings=nats_settings)
     finally:
+        await delete_all(js, names)
         await nc.close()
+
