@@ -75,11 +75,22 @@ class EmbeddedNatsServer:
         args += ["-l", str(self.log_file)]
         if self.monitor_port is not None:
             args += ["-m", str(self.monitor_port)]
-        if self.config_file is not None:
-            args += ["-c", str(self.config_file)]
-        if self.max_payload_bytes is not None:
-            args += ["--max_payload", str(self.max_payload_bytes)]
+        config_file = self._effective_config()
+        if config_file is not None:
+            args += ["-c", str(config_file)]
         return args
+
+    def _effective_config(self) -> Path | None:
+        """The given config file, wrapped in one that sets max_payload when that was asked for
+        (the server has no command-line flag for it)."""
+        if self.max_payload_bytes is None:
+            return self.config_file
+        wrapper = self.store_dir / "conveyor-embedded.conf"
+        lines = [f"max_payload: {self.max_payload_bytes}"]
+        if self.config_file is not None:
+            lines.append(f'include "{self.config_file.resolve()}"')
+        wrapper.write_text("\n".join(lines) + "\n")
+        return wrapper
 
     def start(self, timeout_s: float = 15.0) -> str:
         self.store_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,144 @@
+"""Reply streams: complete and ordered, never silent forever, and aware of a vanished client."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from bus.errors import RemoteError, ReplyGap, ReplyStreamBroken
+from bus.replies import ReplySender
+from schemas.codec import encode
+from schemas.replies import ErrorCode, FinalFrame, FinishReason, TokenChunk, Usage
+from tests.conftest import Bus
+from tests.helpers import open_stream
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+async def test_ten_thousand_chunks_arrive_complete_and_in_order(bus: Bus) -> None:
+    stream = await open_stream(bus, "bulk")
+    sender = ReplySender(bus.nc, stream.inbox, "bulk")
+
+    async def send_all() -> None:
+        for token in range(10_000):
+            await sender.send_tokens([token])
+        await sender.finish(FinishReason.LENGTH, Usage.of(1, 10_000))
+
+    producer = asyncio.create_task(send_all())
+    chunks, final = await stream.collect()
+    await producer
+    assert [token for chunk in chunks for token in chunk.token_ids] == list(range(10_000))
+    assert [chunk.seq for chunk in chunks] == list(range(10_000))
+    assert isinstance(final, FinalFrame) and final.seq == 10_000 and final.usage.completion_tokens == 10_000
+
+
+async def test_coalescing_merges_tokens_into_fewer_frames_without_losing_any(bus: Bus) -> None:
+    stream = await open_stream(bus, "coalesced")
+    sender = ReplySender(bus.nc, stream.inbox, "coalesced", coalesce_window_s=0.05)
+    for token in range(200):
+        await sender.send_tokens([token], text=chr(ord("a") + token % 26))
+    await sender.finish(FinishReason.STOP, Usage.of(1, 200))
+    chunks, _ = await stream.collect()
+    assert [token for chunk in chunks for token in chunk.token_ids] == list(range(200))
+    assert "".join(chunk.text or "" for chunk in chunks) == "".join(chr(ord("a") + t % 26) for t in range(200))
+    assert len(chunks) < 20
+
+
+async def test_error_frame_raises_a_typed_remote_error(bus: Bus) -> None:
+    stream = await open_stream(bus, "fails")
+    sender = ReplySender(bus.nc, stream.inbox, "fails")
+    await sender.send_tokens([1])
+    await sender.fail(ErrorCode.OVERLOADED, "all decode workers busy", retryable=True)
+    received: list[TokenChunk] = []
+    with pytest.raises(RemoteError) as raised:
+        async for chunk in stream:
+            received.append(chunk)
+    assert [c.token_ids for c in received] == [[1]]
+    assert raised.value.code == ErrorCode.OVERLOADED and raised.value.frame.retryable
+
+
+async def test_missing_frame_is_reported_as_a_gap(bus: Bus) -> None:
+    stream = await open_stream(bus, "gappy")
+    await bus.nc.publish(stream.inbox, encode(TokenChunk(request_id="gappy", seq=0, token_ids=[1])))
+    await bus.nc.publish(stream.inbox, encode(TokenChunk(request_id="gappy", seq=2, token_ids=[3])))
+    with pytest.raises(ReplyGap, match="expected frame #1, got #2"):
+        await stream.collect()
+
+
+async def test_heartbeats_keep_a_quiet_stream_open(bus: Bus) -> None:
+    # heartbeat_interval_s=0.2 and heartbeat_timeout_s=1.0 (tests' settings): 2 s of silence survives.
+    stream = await open_stream(bus, "slow")
+    async with ReplySender(bus.nc, stream.inbox, "slow", heartbeat_interval_s=0.2) as sender:
+        await sender.send_tokens([1])
+        await asyncio.sleep(2.0)
+        await sender.send_tokens([2])
+        await sender.finish(FinishReason.STOP, Usage.of(1, 2))
+    chunks, _ = await stream.collect()
+    assert [c.token_ids for c in chunks] == [[1], [2]]
+
+
+async def test_silent_stream_raises_within_its_window_instead_of_hanging(bus: Bus) -> None:
+    stream = await open_stream(bus, "silent", first_frame_timeout_s=0.5)
+    started = time.monotonic()
+    with pytest.raises(ReplyStreamBroken, match="no frame yet"):
+        await stream.collect()
+    assert time.monotonic() - started < 1.5
+
+
+SENDER_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, sys
+    from bus.connection import connect
+    from bus.replies import ReplySender
+    from bus.settings import NatsSettings
+
+    async def main() -> None:
+        nc = await connect(NatsSettings(urls=[sys.argv[1]]), "dying-sender")
+        async with ReplySender(nc, sys.argv[2], "dies", heartbeat_interval_s=0.2) as sender:
+            await sender.send_tokens([1, 2, 3])
+            print("sent", flush=True)
+            await asyncio.sleep(3600)
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_receiver_whose_sender_is_killed_raises_within_the_heartbeat_window(bus: Bus) -> None:
+    stream = await open_stream(bus, "dies")
+    sender = subprocess.Popen(
+        [sys.executable, "-c", SENDER_SCRIPT, bus.nats_settings.urls[0], stream.inbox],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    try:
+        chunks = stream.__aiter__()
+        first = await asyncio.wait_for(chunks.__anext__(), timeout=20)
+        assert first.token_ids == [1, 2, 3]
+        await asyncio.sleep(0.5)  # heartbeats flow; the stream stays open
+        killed_at = time.monotonic()
+        sender.send_signal(signal.SIGKILL)
+        with pytest.raises(ReplyStreamBroken, match="last frame"):
+            await chunks.__anext__()
+        # heartbeat_timeout_s is 1.0 in the tests' settings.
+        assert time.monotonic() - killed_at < 1.5
+    finally:
+        sender.kill()
+        sender.wait()
+
+
+async def test_sender_learns_that_its_client_went_away(bus: Bus) -> None:
+    stream = await open_stream(bus, "gone")
+    async with ReplySender(bus.nc, stream.inbox, "gone", heartbeat_interval_s=0.2) as sender:
+        await sender.send_tokens([1])
+        assert await sender.client_alive(timeout_s=1.0)
+        await stream.close()
+        await asyncio.wait_for(sender.client_gone.wait(), timeout=2.0)
+        assert not await sender.client_alive(timeout_s=1.0)

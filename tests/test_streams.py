@@ -1,0 +1,89 @@
+"""Declaring streams and consumers is idempotent; publishing is size-checked and deduplicated."""
+
+from __future__ import annotations
+
+import pytest
+from nats.js.api import RetentionPolicy
+
+from bus.errors import PayloadTooLarge
+from bus.publish import TaskPublisher
+from bus.server import EmbeddedNatsServer
+from bus.settings import BusSettings
+from bus.streams import declare_all, ensure_work_consumer, report, work_consumer_config
+from bus.subjects import Names, model_token
+from bus.tracing import TraceContext
+from schemas.registry import Stage
+from schemas.tasks import DecodeTask, PreprocessedRequest, TaskHeader
+from tests.conftest import Bus
+from tests.helpers import decode_task, stream_len
+
+
+async def test_declaring_everything_twice_changes_nothing(bus: Bus) -> None:
+    before = {r.name: r for r in await report(bus.js, bus.names)}
+    await declare_all(bus.js, bus.names, bus.settings, bus.nc.max_payload)
+    after = {r.name: r for r in await report(bus.js, bus.names)}
+    assert before.keys() == after.keys() == set(bus.names.all_streams)
+    work = await bus.js.stream_info(bus.names.work_stream(Stage.DECODE))
+    assert work.config.retention == RetentionPolicy.WORK_QUEUE
+    assert work.config.duplicate_window == bus.settings.dedupe_window_s
+
+
+async def test_changed_limits_update_the_existing_stream(bus: Bus) -> None:
+    changed = bus.settings.model_copy(update={"work_max_age_s": 120.0})
+    await declare_all(bus.js, bus.names, changed, bus.nc.max_payload)
+    info = await bus.js.stream_info(bus.names.work_stream(Stage.PREFILL))
+    assert info.config.max_age == 120.0
+
+
+async def test_declaring_the_shared_consumer_twice_keeps_one(bus: Bus) -> None:
+    config = work_consumer_config(bus.names, Stage.DECODE, "org/model.v1", bus.settings, max_ack_pending=64)
+    stream = bus.names.work_stream(Stage.DECODE)
+    await ensure_work_consumer(bus.js, config, stream)
+    await ensure_work_consumer(bus.js, config, stream)
+    consumers = await bus.js.consumers_info(stream)
+    assert [c.name for c in consumers] == [config.durable_name]
+    assert consumers[0].config.filter_subject == bus.names.work_subject(Stage.DECODE, "org/model.v1")
+
+
+def test_model_names_become_safe_distinct_subject_tokens() -> None:
+    assert model_token("SmolLM2-135M") == "SmolLM2-135M"
+    dotted, underscored = model_token("org/m.1"), model_token("org_m_1")
+    assert dotted != underscored
+    assert "." not in dotted and "/" not in dotted
+    names = Names("acme")
+    assert names.work_subject(Stage.DECODE, "org/m.1") == f"acme.work.decode.{dotted}"
+    assert names.work_stream(Stage.DECODE) == "ACME_WORK_DECODE"
+
+
+async def test_oversize_task_is_refused_before_it_reaches_the_server(bus: Bus) -> None:
+    publisher = TaskPublisher(bus.js, bus.names, max_message_bytes=64 * 1024)
+    huge = DecodeTask(
+        header=TaskHeader(request_id="huge", reply_to="_INBOX.x", created_at_s=0.0),
+        request=PreprocessedRequest(model="m", token_ids=list(range(100_000, 130_000))),
+    )
+    with pytest.raises(PayloadTooLarge, match="over the limit of 65536 bytes"):
+        await publisher.publish(Stage.DECODE, huge, "huge", TraceContext.new())
+    assert await stream_len(bus, Stage.DECODE) == 0
+
+
+async def test_republished_request_id_is_dropped_as_a_duplicate(bus: Bus) -> None:
+    publisher = TaskPublisher(bus.js, bus.names, bus.settings.max_message_bytes)
+    task = decode_task("once")
+    assert await publisher.publish(Stage.DECODE, task, task.request_id, TraceContext.new())
+    assert not await publisher.publish(Stage.DECODE, task, task.request_id, TraceContext.new())
+    assert await stream_len(bus, Stage.DECODE) == 1
+
+
+async def test_message_limit_is_capped_by_the_servers_max_payload() -> None:
+    with EmbeddedNatsServer(max_payload_bytes=256 * 1024) as server:
+        from bus.connection import connect
+        from bus.settings import NatsSettings
+
+        nc = await connect(NatsSettings(urls=[server.url]), "small")
+        try:
+            settings = BusSettings(namespace="capped", work_max_bytes=1 << 20)
+            await declare_all(nc.jetstream(), Names("capped"), settings, nc.max_payload)
+            info = await nc.jetstream().stream_info("CAPPED_WORK_DECODE")
+            assert info.config.max_msg_size == 256 * 1024
+        finally:
+            await nc.close()
