@@ -28,7 +28,7 @@ async def connect(settings: NatsSettings, name: str) -> Client:
     """Open a connection; raises `ConnectionError` with the URLs tried when none answers."""
 
     async def on_disconnect() -> None:
-        log.warning("nats.disconnected", name=name)
+        log.info("nats.disconnected", name=name)
 
     async def on_reconnect() -> None:
         log.info("nats.reconnected", name=name)

