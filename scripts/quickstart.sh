@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set everything up (scripts/setup.sh), then run the main job: an embedded NATS server and the
+# pipeline, with one request streamed to this terminal. Extra arguments go to the command.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/conveyor smoke "$@"

