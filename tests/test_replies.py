@@ -142,3 +142,19 @@ async def test_sender_learns_that_its_client_went_away(bus: Bus) -> None:
         await stream.close()
         await asyncio.wait_for(sender.client_gone.wait(), timeout=2.0)
         assert not await sender.client_alive(timeout_s=1.0)
+
+
+def test_fast_chunk_encoding_matches_the_schema_encoding() -> None:
+    from bus.replies import _chunk_payload
+    from schemas.replies import ChatChunkChoice, ChatCompletionChunk, ChatDelta, TokenLogprob, TopLogprob
+
+    logprobs = [TokenLogprob(token_id=5, logprob=-0.5, top=[TopLogprob(token_id=6, logprob=-1.0)])]
+    openai = ChatCompletionChunk(id="r", created=1, model="m", choices=[ChatChunkChoice(delta=ChatDelta(content="a"))])
+    cases = [
+        {"token_ids": [1, 2]},
+        {"token_ids": [3], "text": "é", "index": 2},
+        {"token_ids": [5], "text": "x", "logprobs": logprobs, "openai": openai},
+    ]
+    for fields in cases:
+        expected = encode(TokenChunk(request_id="r", seq=7, **fields))
+        assert _chunk_payload("r", 7, fields) == expected
