@@ -1,0 +1,71 @@
+"""The command line and the health endpoint, as a user meets them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+from typer.testing import CliRunner
+
+from bus.metrics import MESSAGES_IN
+from bus.server import EmbeddedNatsServer
+from workers.cli import app
+from workers.http import HealthServer
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_schema_command_writes_one_json_schema_per_message(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["schema", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    written = {path.stem for path in tmp_path.glob("*.json")}
+    assert {"ChatRequest", "DecodeTask", "TokenChunk", "FinalFrame", "Cancel", "KvEventBatch", "WorkerCard"} <= written
+    chat = json.loads((tmp_path / "ChatRequest.json").read_text())
+    assert "messages" in chat["required"]
+
+
+def test_smoke_command_streams_a_reply_through_an_embedded_server() -> None:
+    completed = subprocess.run(
+        [sys.executable, "-m", "workers.cli", "smoke", "one two three"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.split() == ["one", "two", "three"]
+    assert "finish_reason=stop" in completed.stderr
+
+
+def test_streams_command_declares_and_lists_the_namespace(nats_server: EmbeddedNatsServer) -> None:
+    result = CliRunner().invoke(app, ["streams", "--nats", nats_server.url, "--namespace", "clitest", "--declare"])
+    assert result.exit_code == 0, result.output
+    assert "CLITEST_WORK_DECODE" in result.output and "KV_clitest_workers" in result.output
+    CliRunner().invoke(app, ["streams", "--nats", nats_server.url, "--namespace", "clitest", "--delete"])
+
+
+def test_unreachable_nats_is_reported_with_the_url() -> None:
+    result = CliRunner().invoke(app, ["streams", "--nats", "nats://127.0.0.1:1"])
+    assert result.exit_code != 0
+    assert "cannot reach NATS at nats://127.0.0.1:1" in str(result.exception)
+
+
+async def test_health_server_serves_metrics_live_and_ready() -> None:
+    reason: list[str | None] = ["engine warming up"]
+    server = HealthServer("127.0.0.1", 0, readiness=lambda: reason[0])
+    await server.start()
+    MESSAGES_IN.labels(stage="decode").inc(0)
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"{server.url}/live") as live:
+                assert live.status == 200
+            async with session.get(f"{server.url}/ready") as not_ready:
+                assert not_ready.status == 503
+                assert (await not_ready.json())["reason"] == "engine warming up"
+            reason[0] = None
+            async with session.get(f"{server.url}/ready") as ready:
+                assert ready.status == 200
+            async with session.get(f"{server.url}/metrics") as metrics:
+                assert "conveyor_messages_in_total" in await metrics.text()
+    finally:
+        await server.stop()
