@@ -13,6 +13,18 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, TypeAdapter
 
 from schemas.base import WireModel
+from schemas.sampling import (
+    MaxTokens,
+    MinP,
+    MinTokens,
+    NumCompletions,
+    Penalty,
+    RepetitionPenalty,
+    Temperature,
+    TopK,
+    TopLogprobs,
+    TopP,
+)
 
 RequestId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_\-:.]+$")]
 # A NATS subject: tokens separated by dots, no wildcards or whitespace.
@@ -71,22 +83,22 @@ class GenerationRequest(WireModel):
     reply_to: Inbox
     model: str = Field(min_length=1)
     stream_format: StreamFormat = StreamFormat.TEXT
-    max_tokens: int | None = Field(default=None, ge=1)
-    min_tokens: int = Field(default=0, ge=0)
-    temperature: float | None = Field(default=None, ge=0.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=1)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    max_tokens: MaxTokens = None
+    min_tokens: MinTokens = 0
+    temperature: Temperature = None
+    top_p: TopP = None
+    top_k: TopK = None
+    min_p: MinP = None
+    frequency_penalty: Penalty = None
+    presence_penalty: Penalty = None
+    repetition_penalty: RepetitionPenalty = None
     seed: int | None = None
-    n: int = Field(default=1, ge=1, le=128)
+    n: NumCompletions = 1
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
-    top_logprobs: int = Field(default=0, ge=0, le=20)
+    top_logprobs: TopLogprobs = 0
     response_format: ResponseFormat | None = None
     # Higher runs sooner where the engine supports priorities.
     priority: int | None = None

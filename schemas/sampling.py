@@ -6,32 +6,44 @@ so the SGLang adapter maps them one to one. `None` means "the engine's default".
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
 from schemas.base import WireModel
 
+# The ranges of each option, shared by the OpenAI-shaped client requests and the tasks.
+# 0 means greedy; OpenAI caps temperature at 2, SGLang does not, so neither do we.
+Temperature = Annotated[float | None, Field(ge=0.0)]
+TopP = Annotated[float | None, Field(gt=0.0, le=1.0)]
+# None disables top-k; SGLang's -1 for "off" is translated in its adapter.
+TopK = Annotated[int | None, Field(ge=1)]
+MinP = Annotated[float | None, Field(ge=0.0, le=1.0)]
+Penalty = Annotated[float | None, Field(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float | None, Field(gt=0.0, le=2.0)]
+# Number of completions per request (parallel sampling).
+NumCompletions = Annotated[int, Field(ge=1, le=128)]
+MaxTokens = Annotated[int | None, Field(ge=1)]
+MinTokens = Annotated[int, Field(ge=0)]
+TopLogprobs = Annotated[int, Field(ge=0, le=20)]
+
 
 class SamplingOptions(WireModel):
-    # 0 means greedy; OpenAI caps at 2, SGLang does not, so neither do we.
-    temperature: float | None = Field(default=None, ge=0.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    # None disables top-k; SGLang's -1 sentinel is translated in its adapter.
-    top_k: int | None = Field(default=None, ge=1)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    temperature: Temperature = None
+    top_p: TopP = None
+    top_k: TopK = None
+    min_p: MinP = None
+    frequency_penalty: Penalty = None
+    presence_penalty: Penalty = None
+    repetition_penalty: RepetitionPenalty = None
     seed: int | None = None
-    # Number of completions per request (parallel sampling).
-    n: int = Field(default=1, ge=1, le=128)
+    n: NumCompletions = 1
 
 
 class StopConditions(WireModel):
     # None: generate until EOS or the context is full.
-    max_tokens: int | None = Field(default=None, ge=1)
-    min_tokens: int = Field(default=0, ge=0)
+    max_tokens: MaxTokens = None
+    min_tokens: MinTokens = 0
     stop: list[str] = Field(default_factory=list, max_length=16)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
@@ -46,7 +58,7 @@ class StopConditions(WireModel):
 class OutputOptions(WireModel):
     # Return the log-probability of each sampled token, and this many alternatives per position.
     logprobs: bool = False
-    top_logprobs: int = Field(default=0, ge=0, le=20)
+    top_logprobs: TopLogprobs = 0
     skip_special_tokens: bool = True
 
 
