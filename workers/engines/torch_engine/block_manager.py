@@ -1,31 +1,21 @@
 """KV-cache blocks: allocation, reference counts, the prefix cache, and the KV events they cause.
 
 A block holds `block_size` tokens' K/V. A full block is keyed by a chained hash of its tokens and
-all tokens before it (the scheme in the reference notes, J.58: xxh3-64 with seed 1337 over the block's
-token ids as little-endian u32, chained as xxh3-64(parent ‖ block)), so equal prefixes find equal
-blocks. A block nobody references but whose content is hashed stays cached (evictable, least
+all tokens before it (`workers.engines.kv_hashing`), so equal prefixes find equal blocks. A block nobody references but whose content is hashed stays cached (evictable, least
 recently used first) until its memory is needed: then it is evicted and a `BlockRemoved` event
 says so. Registering a newly computed full block emits `BlockStored`.
 """
 
 from __future__ import annotations
 
-import struct
 from collections import OrderedDict, deque
-
-import xxhash
+from typing import TYPE_CHECKING
 
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
-from workers.engines.torch_engine.sequence import Sequence
+from workers.engines.kv_hashing import block_hash
 
-_HASH_SEED = 1337
-
-
-def block_hash(parent: int | None, token_ids: list[int]) -> int:
-    tokens_hash = xxhash.xxh3_64_intdigest(struct.pack(f"<{len(token_ids)}I", *token_ids), seed=_HASH_SEED)
-    if parent is None:
-        return tokens_hash
-    return xxhash.xxh3_64_intdigest(struct.pack("<QQ", parent, tokens_hash))
+if TYPE_CHECKING:
+    from workers.engines.torch_engine.sequence import Sequence
 
 
 class BlockManager:

@@ -1,0 +1,77 @@
+"""The mock engine: its simulated timing, batch limit, prefix cache, events and abort."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from schemas.kv_events import BlockStored
+from schemas.replies import FinishReason
+from schemas.sampling import StopConditions
+from workers.engines.kv_hashing import chain_hashes
+from workers.engines.mock import MockEngine, MockEngineConfig
+from workers.engines.protocol import Engine, GenerateOutput, GenerateRequest, MemoryTag
+
+
+async def run(engine: MockEngine, request: GenerateRequest) -> list[GenerateOutput]:
+    return [output async for output in engine.generate(request)]
+
+
+def test_mock_engine_implements_the_engine_protocol() -> None:
+    assert isinstance(MockEngine(), Engine)
+
+
+async def test_time_to_first_token_and_inter_token_latency_follow_the_config() -> None:
+    engine = MockEngine(MockEngineConfig(ttft_base_s=0.05, ttft_per_prompt_token_s=0.001, inter_token_s=0.02))
+    started = time.perf_counter()
+    stamps: list[float] = []
+    async for _ in engine.generate(GenerateRequest("t", list(range(100)), stop=StopConditions(max_tokens=6))):
+        stamps.append(time.perf_counter() - started)
+    assert 0.14 <= stamps[0] < 0.3  # 0.05 + 100 × 0.001
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    assert len(stamps) == 6 and all(0.015 <= gap < 0.08 for gap in gaps)
+
+
+async def test_requests_beyond_the_batch_limit_wait_for_a_slot() -> None:
+    engine = MockEngine(MockEngineConfig(max_running_requests=2, ttft_base_s=0.0, ttft_per_prompt_token_s=0.0,
+                                         inter_token_s=0.05))
+    started = time.perf_counter()
+    requests = [GenerateRequest(f"b{i}", [i + 5] * 4, stop=StopConditions(max_tokens=3)) for i in range(4)]
+    await asyncio.gather(*(run(engine, request) for request in requests))
+    # Two waves of ~0.1 s each.
+    assert time.perf_counter() - started >= 0.2
+
+
+async def test_repeated_prefix_is_reported_cached_and_stored_blocks_are_announced() -> None:
+    engine = MockEngine(MockEngineConfig(inter_token_s=0.0))
+    events = engine.kv_events()
+    first_batch = asyncio.ensure_future(events.__anext__())
+    prompt = list(range(10, 74))  # four full blocks of 16
+    first = await run(engine, GenerateRequest("p1", prompt, stop=StopConditions(max_tokens=2)))
+    second = await run(engine, GenerateRequest("p2", prompt + [5, 6], stop=StopConditions(max_tokens=2)))
+    batch = await asyncio.wait_for(first_batch, 1)
+    assert first[-1].cached_tokens == 0 and second[-1].cached_tokens == 64
+    assert isinstance(batch.events[0], BlockStored)
+    assert batch.events[0].block_hashes == chain_hashes(prompt, 16)
+
+
+async def test_abort_ends_the_stream_cancelled() -> None:
+    engine = MockEngine(MockEngineConfig(inter_token_s=0.05))
+    outputs: list[GenerateOutput] = []
+    async for output in engine.generate(GenerateRequest("a", [1, 2, 3], stop=StopConditions(max_tokens=100))):
+        outputs.append(output)
+        if len(outputs) == 2:
+            await engine.abort("a")
+    assert outputs[-1].finish_reason == FinishReason.CANCELLED and len(outputs) == 3
+    assert engine.load().kv_used_blocks == 0
+
+
+async def test_released_memory_refuses_work_until_resumed() -> None:
+    engine = MockEngine(MockEngineConfig(inter_token_s=0.0))
+    await engine.release_memory([MemoryTag.KV_CACHE])
+    with pytest.raises(RuntimeError, match="released"):
+        await run(engine, GenerateRequest("r", [1], stop=StopConditions(max_tokens=1)))
+    await engine.resume_memory([MemoryTag.KV_CACHE])
+    assert (await run(engine, GenerateRequest("r2", [1], stop=StopConditions(max_tokens=1))))[-1].finished

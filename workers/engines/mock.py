@@ -1,0 +1,219 @@
+"""`MockEngine`: simulated timing for benchmarks and scale tests of the pipeline itself.
+
+Like Dynamo's mocker it does no math: time to first token is `ttft_base_s + ttft_per_prompt_token_s ×
+uncached prompt tokens`, then one token every `inter_token_s`, with at most `max_running_requests`
+generating at once (the rest queue). It keeps a real block pool with a prefix cache keyed like the
+torch engine's, so it emits the same `BlockStored` / `BlockRemoved` events and reports cached
+tokens. Output tokens are a deterministic function of the prompt, so runs are reproducible.
+Never the default engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from schemas.registry import BootstrapEndpoint
+from schemas.replies import FinishReason
+from workers.engines.kv_hashing import chain_hashes
+from workers.engines.protocol import (
+    EngineInfo,
+    EngineLoad,
+    GenerateOutput,
+    GenerateRequest,
+    KvEventBatchOut,
+    MemoryTag,
+    UnsupportedOption,
+)
+
+EOS_TOKEN_ID = 2
+
+
+@dataclass(frozen=True, slots=True)
+class MockEngineConfig:
+    model: str = "mock"
+    ttft_base_s: float = 0.005
+    ttft_per_prompt_token_s: float = 0.00002
+    inter_token_s: float = 0.01
+    max_running_requests: int = 64
+    block_size: int = 16
+    kv_total_blocks: int = 4096
+    context_length: int = 8192
+    vocab_size: int = 32000
+
+
+class MockEngine:
+    def __init__(self, config: MockEngineConfig = MockEngineConfig()) -> None:
+        self.config = config
+        self._slots = asyncio.Semaphore(config.max_running_requests)
+        self._running: dict[str, asyncio.Event] = {}
+        self._waiting = 0
+        # Content key -> None for cached blocks, least recently used first; referenced ones separately.
+        self._cached: OrderedDict[int, None] = OrderedDict()
+        self._used_blocks = 0
+        self._event_queues: list[asyncio.Queue[KvEventBatchOut]] = []
+        self._released: set[MemoryTag] = set()
+        self._info = EngineInfo(name="mock", model=config.model, context_length=config.context_length,
+                                eos_token_ids=(EOS_TOKEN_ID,))
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    async def start(self) -> None:
+        return None
+
+    async def shutdown(self) -> None:
+        for cancelled in self._running.values():
+            cancelled.set()
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        if request.sampling.n != 1 or request.guided is not None:
+            raise UnsupportedOption("the mock engine simulates single, unconstrained completions")
+        if self._released:
+            raise RuntimeError(f"engine memory released ({', '.join(sorted(self._released))}); resume it first")
+        cancelled = asyncio.Event()
+        self._running[request.request_id] = cancelled
+        self._waiting += 1
+        try:
+            async with self._slots:
+                self._waiting -= 1
+                async for output in self._run(request, cancelled):
+                    yield output
+        finally:
+            self._running.pop(request.request_id, None)
+
+    async def _run(self, request: GenerateRequest, cancelled: asyncio.Event) -> AsyncIterator[GenerateOutput]:
+        prompt_tokens = len(request.token_ids)
+        keys = chain_hashes(request.token_ids, self.config.block_size)
+        cached_blocks = self._reference(keys)
+        cached_tokens = cached_blocks * self.config.block_size
+        max_tokens = request.stop.max_tokens or (self.config.context_length - prompt_tokens)
+        produced = 0
+        try:
+            delay_s = self.config.ttft_base_s + self.config.ttft_per_prompt_token_s * (prompt_tokens - cached_tokens)
+            if await _cancelled_within(cancelled, delay_s):
+                yield self._final(request, FinishReason.CANCELLED, [], produced, cached_tokens)
+                return
+            self._publish([BlockStored(block_hashes=keys[cached_blocks:], parent_block_hash=keys[cached_blocks - 1] if cached_blocks else None,
+                                       token_ids=request.token_ids[cached_tokens : len(keys) * self.config.block_size],
+                                       block_size=self.config.block_size)] if len(keys) > cached_blocks else [])
+            seed = sum(request.token_ids) % self.config.vocab_size
+            while True:
+                token = 3 + (seed + produced * 7919) % (self.config.vocab_size - 3)
+                produced += 1
+                if produced >= max_tokens:
+                    yield self._final(request, FinishReason.LENGTH, [token], produced, cached_tokens)
+                    return
+                yield GenerateOutput(token_ids=[token], text=f" t{token}")
+                if await _cancelled_within(cancelled, self.config.inter_token_s):
+                    yield self._final(request, FinishReason.CANCELLED, [], produced, cached_tokens)
+                    return
+        finally:
+            self._release(keys)
+
+    def _final(self, request: GenerateRequest, reason: FinishReason, tokens: list[int], produced: int,
+               cached_tokens: int) -> GenerateOutput:
+        return GenerateOutput(token_ids=tokens, text="".join(f" t{t}" for t in tokens), finish_reason=reason,
+                              prompt_tokens=len(request.token_ids), completion_tokens=produced,
+                              cached_tokens=cached_tokens)
+
+    def _reference(self, keys: list[int]) -> int:
+        """Count the cached leading blocks, take the prompt's blocks, evicting LRU ones if needed."""
+        cached = 0
+        for key in keys:
+            if key not in self._cached:
+                break
+            cached += 1
+        needed = len(keys) - cached
+        evicted: list[int] = []
+        while self._used_blocks + needed + len(self._cached) - cached > self.config.kv_total_blocks and self._cached:
+            victim, _ = self._cached.popitem(last=False)
+            evicted.append(victim)
+        for key in keys[:cached]:
+            self._cached.pop(key, None)
+        self._used_blocks += len(keys)
+        if evicted:
+            self._publish([BlockRemoved(block_hashes=evicted)])
+        return cached
+
+    def _release(self, keys: list[int]) -> None:
+        self._used_blocks -= len(keys)
+        for key in keys:
+            self._cached[key] = None
+
+    def _publish(self, events: list[KvEvent]) -> None:
+        if not events:
+            return
+        batch = KvEventBatchOut(events=events, ts=time.time())
+        for events_queue in self._event_queues:
+            events_queue.put_nowait(batch)
+
+    async def abort(self, request_id: str) -> None:
+        cancelled = self._running.get(request_id)
+        if cancelled is not None:
+            cancelled.set()
+
+    async def encode(self, inputs: list[list[int]]) -> list[list[float]]:
+        return [[float(len(ids)), float(sum(ids) % 997)] for ids in inputs]
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(
+            running_requests=len(self._running) - self._waiting,
+            waiting_requests=self._waiting,
+            kv_block_size=self.config.block_size,
+            kv_total_blocks=self.config.kv_total_blocks,
+            kv_used_blocks=self._used_blocks,
+        )
+
+    async def kv_events(self) -> AsyncIterator[KvEventBatchOut]:
+        events_queue: asyncio.Queue[KvEventBatchOut] = asyncio.Queue()
+        self._event_queues.append(events_queue)
+        try:
+            while True:
+                yield await events_queue.get()
+        finally:
+            self._event_queues.remove(events_queue)
+
+    @property
+    def bootstrap_endpoint(self) -> BootstrapEndpoint | None:
+        return None
+
+    async def release_memory(self, tags: list[MemoryTag]) -> None:
+        if self._running:
+            raise RuntimeError("release_memory needs an idle engine: deregister and drain first")
+        self._released.update(tags)
+        if MemoryTag.KV_CACHE in tags:
+            self._cached.clear()
+            self._publish([AllBlocksCleared()])
+
+    async def resume_memory(self, tags: list[MemoryTag]) -> None:
+        self._released.difference_update(tags)
+
+    async def start_profile(self, output_dir: Path) -> None:
+        raise UnsupportedOption("the mock engine runs no model to profile")
+
+    async def stop_profile(self) -> None:
+        raise UnsupportedOption("the mock engine runs no model to profile")
+
+    async def update_weights_from_disk(self, model_path: Path) -> None:
+        raise UnsupportedOption("the mock engine has no weights")
+
+    async def flush_cache(self) -> None:
+        if self._used_blocks:
+            raise RuntimeError("cannot flush the prefix cache while requests are running")
+        self._cached.clear()
+        self._publish([AllBlocksCleared()])
+
+
+async def _cancelled_within(cancelled: asyncio.Event, delay_s: float) -> bool:
+    try:
+        await asyncio.wait_for(cancelled.wait(), timeout=delay_s)
+    except TimeoutError:
+        return False
+    return True
