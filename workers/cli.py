@@ -140,5 +140,28 @@ def smoke(
     asyncio.run(run_smoke(nats_settings, bus_settings, embedded, prompt))
 
 
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Argument(help="What to ask. Sent through the model's chat template unless --raw.")],
+    engine: Annotated[str, typer.Option(help="torch (embedded, default), mock (simulated) or sglang (GPU).")] = "torch",
+    model: Annotated[str | None, typer.Option(help="Local Hugging Face directory. Default: SmolLM2-135M-Instruct, bundled.")] = None,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Most tokens to generate.")] = 128,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 is greedy.")] = 0.7,
+    seed: Annotated[int | None, typer.Option(help="Seed for reproducible sampling.")] = None,
+    raw: Annotated[bool, typer.Option(help="Send the prompt as is, without the chat template.")] = False,
+    log_level: LogLevelOption = "WARNING",
+) -> None:
+    """Run an engine in this process, without the bus, and stream its answer.
+
+    The quickest way to see an engine work, and the baseline the pipeline's overhead is measured
+    against. Prints time to first token and tokens/s to stderr at the end.
+    """
+    from workers.engines.factory import EngineKind
+    from workers.generate import run_generate
+
+    configure_logging(log_level)
+    asyncio.run(run_generate(EngineKind(engine), model, prompt, max_tokens, temperature, seed, raw))
+
+
 if __name__ == "__main__":
     app()

@@ -1,0 +1,60 @@
+"""Choosing an engine by name, and the tokenizer that goes with its model."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from workers.engines.protocol import DisaggregationRole, Engine
+
+
+class EngineKind(StrEnum):
+    TORCH = "torch"  # the embedded default (CPU or CUDA)
+    MOCK = "mock"  # simulated timing, for benchmarks of the pipeline
+    SGLANG = "sglang"  # the production GPU engine (optional extra)
+
+
+def create_engine(kind: EngineKind, model: str | None, role: DisaggregationRole = DisaggregationRole.NONE,
+                  load_format: str = "auto") -> Engine:
+    """An engine that is not started yet; `await engine.start()` loads it."""
+    if kind == EngineKind.TORCH:
+        from workers.engines.torch_engine.engine import TorchEngine, TorchEngineConfig
+        from workers.engines.torch_engine.loader import DEFAULT_MODEL
+
+        return TorchEngine(TorchEngineConfig(model=model or DEFAULT_MODEL, role=role, load_format=load_format))
+    if kind == EngineKind.MOCK:
+        from workers.engines.mock import MockEngine, MockEngineConfig
+
+        return MockEngine(MockEngineConfig(model=model or "mock"))
+    from workers.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
+
+    if model is None:
+        raise ValueError("the sglang engine needs --model: a local Hugging Face directory")
+    return SGLangEngine(SGLangEngineConfig(model_path=model, role=role, load_format=load_format))
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids (offset past the mock's special ids): the mock engine's tokenizer."""
+
+    eos_token_id = 2
+
+    def encode(self, text: str) -> list[int]:
+        return [byte + 3 for byte in text.encode()]
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(t - 3 for t in token_ids if 3 <= t < 259).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tokenize: bool = True) -> list[int]:
+        return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: ")
+
+
+def load_tokenizer(kind: EngineKind, model: str | None) -> Any:
+    """A Hugging Face tokenizer for the model (or the mock's byte tokenizer)."""
+    if kind == EngineKind.MOCK:
+        return ByteTokenizer()
+    from transformers import AutoTokenizer
+
+    from workers.engines.torch_engine.loader import resolve_model
+
+    return AutoTokenizer.from_pretrained(str(resolve_model(model)))
