@@ -9,10 +9,12 @@ takes effect between two steps (its blocks are freed at once).
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import queue
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,12 +36,22 @@ from workers.engines.protocol import (
     MemoryTag,
     UnsupportedOption,
 )
+from schemas.tasks import BootstrapInfo
 from workers.engines.torch_engine.block_manager import BlockManager
+from workers.engines.torch_engine.kv_transfer import (
+    BootstrapServer,
+    KvTransferAgent,
+    RoomOffer,
+    TransferFailed,
+    fetch_offer,
+    room_notification,
+    room_of_notification,
+)
 from workers.engines.torch_engine.loader import DEFAULT_MODEL, ModelConfig, load_state_dict, resolve_model
 from workers.engines.torch_engine.model import CausalLM
 from workers.engines.torch_engine.runner import run_step
 from workers.engines.torch_engine.sampler import Sampled, sample
-from workers.engines.torch_engine.scheduler import ScheduledChunk, Scheduler
+from workers.engines.torch_engine.scheduler import Scheduler
 from workers.engines.torch_engine.sequence import Sequence
 
 log = structlog.get_logger(__name__)
@@ -67,6 +79,8 @@ class TorchEngineConfig:
     role: DisaggregationRole = DisaggregationRole.NONE
     bootstrap_host: str = "127.0.0.1"
     bootstrap_port: int = 0
+    # How long a prefill keeps a computed prompt's blocks for its decode engine to read.
+    handoff_timeout_s: float = 60.0
     seed: int = 0
 
 
@@ -104,6 +118,10 @@ class TorchEngine:
         self.block_manager: BlockManager | None = None
         self.scheduler: Scheduler | None = None
         self._info: EngineInfo | None = None
+        self._transfer: KvTransferAgent | None = None
+        self._bootstrap: BootstrapServer | None = None
+        # Prefill role: computed prompts waiting for their decode engine, by room, with a deadline.
+        self._handoffs: dict[int, tuple[Sequence, float]] = {}
 
     # ----- lifecycle -----------------------------------------------------------------------------
 
@@ -115,6 +133,13 @@ class TorchEngine:
 
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
+        if self.config.role != DisaggregationRole.NONE:
+            assert self._kv_cache is not None
+            agent_name = f"{self.config.role.value}-{uuid.uuid4().hex[:12]}"
+            self._transfer = KvTransferAgent(agent_name, self._kv_cache, self.config.block_size)
+        if self.config.role == DisaggregationRole.PREFILL:
+            self._bootstrap = BootstrapServer(self.config.bootstrap_host, self.config.bootstrap_port)
+            await self._bootstrap.start()
         self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
         self._thread.start()
 
@@ -124,6 +149,10 @@ class TorchEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+        if self._bootstrap is not None:
+            await self._bootstrap.stop()
+        if self._transfer is not None:
+            self._transfer.close()
 
     def _load(self) -> None:
         from transformers import AutoTokenizer
@@ -171,7 +200,10 @@ class TorchEngine:
         self._check_supported(request)
         stream = _Stream(asyncio.get_running_loop())
         seq = self._new_sequence(request)
-        self._commands.put(lambda: self._admit(seq, stream))
+        if self.config.role == DisaggregationRole.DECODE and request.bootstrap is not None:
+            await self._receive_prompt_kv(seq, stream, request.bootstrap)
+        else:
+            self._commands.put(lambda: self._admit(seq, stream))
         finished = False
         try:
             while not finished:
@@ -185,6 +217,45 @@ class TorchEngine:
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(lambda: self._abort_now(request_id))
+
+    async def _receive_prompt_kv(self, seq: Sequence, stream: _Stream, bootstrap: BootstrapInfo) -> None:
+        """Decode role: read the prompt's KV from the prefill engine, then continue as if prefilled."""
+        assert self._transfer is not None
+        offer = await fetch_offer(bootstrap, self.config.handoff_timeout_s)
+        if offer.num_prompt_tokens != seq.num_prompt_tokens or offer.layout.block_size != self.config.block_size:
+            raise TransferFailed(
+                f"room {bootstrap.bootstrap_room}: prefill offers {offer.num_prompt_tokens} tokens in blocks of "
+                f"{offer.layout.block_size}, this request has {seq.num_prompt_tokens} in blocks of {self.config.block_size}"
+            )
+        blocks = await self._call(lambda: self._reserve(seq, stream))
+        try:
+            await asyncio.to_thread(
+                self._transfer.read_blocks, offer, blocks, room_notification(bootstrap.bootstrap_room),
+                self.config.handoff_timeout_s,
+            )
+        except BaseException:
+            self._commands.put(lambda: self._abort_now(seq.request_id))
+            raise
+        self._commands.put(lambda: self._continue_after_transfer(seq, offer.first_token_id))
+
+    def _reserve(self, seq: Sequence, stream: _Stream) -> list[int]:
+        assert self.block_manager is not None
+        if not self.block_manager.can_allocate(seq, seq.num_prompt_tokens):
+            raise TransferFailed(f"no free KV blocks for a prompt of {seq.num_prompt_tokens} tokens")
+        self.block_manager.allocate(seq, seq.num_prompt_tokens)
+        self._streams[seq.request_id] = stream
+        self._sequences[seq.request_id] = seq
+        return list(seq.block_table)
+
+    def _continue_after_transfer(self, seq: Sequence, first_token_id: int) -> None:
+        assert self.block_manager is not None and self.scheduler is not None
+        if seq.request_id not in self._sequences:
+            return  # aborted while the blocks were in flight
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.block_manager.commit_full_blocks(seq)
+        self.scheduler.add_running(seq)
+        self._advance(seq, Sampled(first_token_id, None))
+        self._publish_events()
 
     def _check_supported(self, request: GenerateRequest) -> None:
         if request.sampling.n != 1:
@@ -210,6 +281,7 @@ class TorchEngine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, request.stop.stop, request.output.skip_special_tokens),
             generator=generator,
             banned_before_min_tokens=tuple({*self.info.eos_token_ids, *request.stop.stop_token_ids}),
+            bootstrap_room=request.bootstrap.bootstrap_room if request.bootstrap is not None else None,
         )
 
     # ----- the engine thread ---------------------------------------------------------------------
@@ -217,7 +289,9 @@ class TorchEngine:
     def _loop(self) -> None:
         assert self.scheduler is not None
         while not self._stopping.is_set():
-            self._run_commands(block=not self.scheduler.has_work)
+            if self._handoffs:
+                self._settle_handoffs()
+            self._run_commands(block=not self.scheduler.has_work and not self._handoffs)
             if self.scheduler.has_work and self._kv_cache is not None:
                 try:
                     self._step()
@@ -245,7 +319,17 @@ class TorchEngine:
 
     def _abort_now(self, request_id: str) -> None:
         assert self.scheduler is not None
+        handoff = next((room for room, (s, _) in self._handoffs.items() if s.request_id == request_id), None)
+        if handoff is not None:
+            seq, _ = self._handoffs.pop(handoff)
+            self._end_handoff(seq, FinishReason.CANCELLED, None)
+            return
         seq = self.scheduler.remove(request_id)
+        if seq is None and request_id in self._sequences:
+            # Decode role, blocks reserved but not yet running: release them too.
+            seq = self._sequences[request_id]
+            assert self.block_manager is not None
+            self.block_manager.free(seq)
         self._sequences.pop(request_id, None)
         stream = self._streams.pop(request_id, None)
         if seq is not None and stream is not None:
@@ -264,11 +348,58 @@ class TorchEngine:
             chunk.seq.num_computed_tokens += chunk.num_tokens
             self.block_manager.commit_full_blocks(chunk.seq)
         for (_, chunk), token in zip(completing, sampled, strict=True):
-            self._advance(chunk, token)
+            if self.config.role == DisaggregationRole.PREFILL and chunk.seq.bootstrap_room is not None:
+                self._offer_handoff(chunk.seq, token)
+            else:
+                self._advance(chunk.seq, token)
         self._publish_events()
 
-    def _advance(self, chunk: ScheduledChunk, sampled: Sampled) -> None:
-        seq = chunk.seq
+    def _offer_handoff(self, seq: Sequence, sampled: Sampled) -> None:
+        """Prefill role: pin the computed prompt's blocks and offer them in the request's room."""
+        assert self.scheduler is not None and self._bootstrap is not None and self._transfer is not None
+        assert seq.bootstrap_room is not None
+        self.scheduler.detach(seq)
+        self._handoffs[seq.bootstrap_room] = (seq, time.monotonic() + self.config.handoff_timeout_s)
+        self._bootstrap.offer(
+            seq.bootstrap_room,
+            RoomOffer(
+                agent_name=self._transfer.name,
+                agent_metadata_b64=base64.b64encode(self._transfer.metadata).decode(),
+                layout=self._transfer.layout,
+                block_ids=list(seq.block_table),
+                num_prompt_tokens=seq.num_prompt_tokens,
+                first_token_id=sampled.token_id,
+            ),
+        )
+        seq.token_ids.append(sampled.token_id)
+
+    def _settle_handoffs(self) -> None:
+        """Free the blocks of rooms whose decode engine has read them, or that waited too long."""
+        assert self._transfer is not None and self.block_manager is not None
+        for message in self._transfer.notifications():
+            room = room_of_notification(message)
+            if room in self._handoffs:
+                seq, _ = self._handoffs.pop(room)
+                self._end_handoff(seq, FinishReason.LENGTH, None)
+        now = time.monotonic()
+        for room, (seq, deadline) in list(self._handoffs.items()):
+            if deadline < now:
+                del self._handoffs[room]
+                self._end_handoff(seq, FinishReason.ERROR, f"no decode engine read room {room} within "
+                                                            f"{self.config.handoff_timeout_s:.0f} s")
+
+    def _end_handoff(self, seq: Sequence, reason: FinishReason, error: str | None) -> None:
+        assert self.block_manager is not None and self._bootstrap is not None and seq.bootstrap_room is not None
+        self.block_manager.free(seq)
+        if error is not None:
+            self._bootstrap.fail(seq.bootstrap_room, error)
+        self._bootstrap.forget(seq.bootstrap_room)
+        self._sequences.pop(seq.request_id, None)
+        stream = self._streams.pop(seq.request_id, None)
+        if stream is not None:
+            stream.put(self._final(seq, reason, seq.completion_token_ids, "", error=error))
+
+    def _advance(self, seq: Sequence, sampled: Sampled) -> None:
         seq.token_ids.append(sampled.token_id)
         text = seq.detokenizer.add([sampled.token_id])
         finish, matched = self._stop_reason(seq, sampled.token_id)
@@ -380,7 +511,7 @@ class TorchEngine:
 
     @property
     def bootstrap_endpoint(self) -> BootstrapEndpoint | None:
-        return None
+        return self._bootstrap.endpoint if self._bootstrap is not None else None
 
     async def encode(self, inputs: list[list[int]]) -> list[list[float]]:
         raise UnsupportedOption("the torch engine serves generation; embeddings come from the embedding worker")

@@ -57,6 +57,15 @@ class Scheduler:
                 return seq
         return None
 
+    def detach(self, seq: Sequence) -> None:
+        """Stop scheduling a running sequence but keep its blocks (a prefill awaiting handoff)."""
+        self.running.remove(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Run a sequence whose prompt KV arrived from elsewhere (decode role)."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
     def finish(self, seq: Sequence) -> None:
         seq.status = SeqStatus.FINISHED
         self.running.remove(seq)

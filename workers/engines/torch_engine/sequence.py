@@ -29,6 +29,8 @@ class Sequence:
     generator: torch.Generator | None = None
     # Tokens that may not be sampled before min_tokens completion tokens (EOS and stop tokens).
     banned_before_min_tokens: tuple[int, ...] = ()
+    # Prefill role: the room this prompt's KV is offered in.
+    bootstrap_room: int | None = None
     status: SeqStatus = SeqStatus.WAITING
     # Tokens whose K/V are in the cache; the rest still have to be computed.
     num_computed_tokens: int = 0
