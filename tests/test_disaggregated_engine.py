@@ -21,7 +21,6 @@ from workers.engines.protocol import DisaggregationRole, GenerateRequest
 from workers.engines.torch_engine.engine import TorchEngine, TorchEngineConfig
 from workers.engines.torch_engine.kv_transfer import TransferFailed
 
-pytest.importorskip("nixl_cu12", reason="NIXL is not installed")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GREEDY = SamplingOptions(temperature=0.0)
