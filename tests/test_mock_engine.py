@@ -75,3 +75,9 @@ async def test_released_memory_refuses_work_until_resumed() -> None:
         await run(engine, GenerateRequest("r", [1], stop=StopConditions(max_tokens=1)))
     await engine.resume_memory([MemoryTag.KV_CACHE])
     assert (await run(engine, GenerateRequest("r2", [1], stop=StopConditions(max_tokens=1))))[-1].finished
+
+
+def test_torch_engine_implements_the_engine_protocol() -> None:
+    from workers.engines.torch_engine.engine import TorchEngine
+
+    assert isinstance(TorchEngine(), Engine)

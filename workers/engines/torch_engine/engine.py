@@ -117,7 +117,9 @@ class TorchEngine:
         self.tokenizer: Any = None
         self.block_manager: BlockManager | None = None
         self.scheduler: Scheduler | None = None
-        self._info: EngineInfo | None = None
+        # Until start() reads the model, the context length is what was configured (0: unknown).
+        self._info = EngineInfo(name="torch", model=config.model, context_length=config.context_length or 0,
+                                role=config.role)
         self._transfer: KvTransferAgent | None = None
         self._bootstrap: BootstrapServer | None = None
         # Prefill role: computed prompts waiting for their decode engine, by room, with a deadline.
@@ -127,8 +129,6 @@ class TorchEngine:
 
     @property
     def info(self) -> EngineInfo:
-        if self._info is None:
-            raise RuntimeError("engine not started")
         return self._info
 
     async def start(self) -> None:

@@ -1,0 +1,134 @@
+"""The SGLang adapter's mappings, testable without a GPU or sglang installed: sampling parameters,
+finish reasons, engine arguments, and SGLang's ZMQ KV-event frames relayed as ours."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import msgpack
+import pytest
+
+from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from schemas.replies import FinishReason
+from schemas.sampling import GuidedDecoding, SamplingOptions, StopConditions
+from workers.engines.protocol import DisaggregationRole, Engine, GenerateRequest
+from workers.engines.sglang_engine import (
+    KvEventRelay,
+    SGLangEngine,
+    SGLangEngineConfig,
+    decode_event_frames,
+    finish_of,
+    logprobs_of,
+    sampling_params,
+    server_args,
+)
+
+
+def test_adapter_implements_the_engine_protocol_without_importing_sglang() -> None:
+    import sys
+
+    assert isinstance(SGLangEngine(SGLangEngineConfig(model_path="/models/x")), Engine)
+    assert "sglang" not in sys.modules
+
+
+def test_every_sampling_option_maps_to_sglangs_name() -> None:
+    request = GenerateRequest(
+        "r", [1, 2],
+        SamplingOptions(temperature=0.5, top_p=0.9, top_k=20, min_p=0.1, frequency_penalty=0.2, presence_penalty=0.3,
+                        repetition_penalty=1.1, seed=42, n=2),
+        StopConditions(max_tokens=64, min_tokens=3, stop=["\n"], stop_token_ids=[7], ignore_eos=True),
+        guided=GuidedDecoding(json_schema={"type": "object"}),
+    )
+    assert sampling_params(request) == {
+        "temperature": 0.5, "top_p": 0.9, "top_k": 20, "min_p": 0.1, "frequency_penalty": 0.2,
+        "presence_penalty": 0.3, "repetition_penalty": 1.1, "sampling_seed": 42, "n": 2, "max_new_tokens": 64,
+        "min_new_tokens": 3, "stop": ["\n"], "stop_token_ids": [7], "ignore_eos": True, "skip_special_tokens": True,
+        "json_schema": json.dumps({"type": "object"}),
+    }
+    assert sampling_params(GenerateRequest("d", [1])) == {"skip_special_tokens": True}
+
+
+@pytest.mark.parametrize(
+    ("finish", "expected"),
+    [
+        (None, (None, None, None)),
+        ({"type": "stop", "matched": 2}, (FinishReason.STOP, 2, None)),
+        ({"type": "stop", "matched": "END"}, (FinishReason.STOP, "END", None)),
+        ({"type": "length", "length": 16}, (FinishReason.LENGTH, None, None)),
+        ({"type": "abort", "message": "Abort in waiting queue"}, (FinishReason.CANCELLED, None, None)),
+        ({"type": "abort", "message": "The input (9000 tokens) is longer than the model's context length"},
+         (FinishReason.ERROR, None, "The input (9000 tokens) is longer than the model's context length")),
+    ],
+)
+def test_finish_reasons_are_normalized(finish: dict | None, expected: tuple) -> None:  # type: ignore[type-arg]
+    assert finish_of({"finish_reason": finish}) == expected
+
+
+def test_logprobs_of_the_newest_tokens() -> None:
+    meta = {"output_token_logprobs": [[-0.1, 5, None], [-0.2, 6, None], [-0.3, 7, None]],
+            "output_top_logprobs": [[[-0.1, 5, None]], [[-0.2, 6, None]], [[-0.3, 7, None], [-1.0, 8, None]]]}
+    logprobs = logprobs_of(meta, 1)
+    assert logprobs is not None and logprobs[0].token_id == 7 and [t.token_id for t in logprobs[0].top] == [7, 8]
+
+
+def test_engine_arguments_turn_on_deltas_kv_events_and_disaggregation() -> None:
+    args = server_args(SGLangEngineConfig(model_path="/m", role=DisaggregationRole.PREFILL, page_size=16), 5557, 8998)
+    assert args["incremental_streaming_output"] is True
+    assert json.loads(args["kv_events_config"]) == {"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557", "topic": "kv-events"}
+    assert args["disaggregation_mode"] == "prefill" and args["disaggregation_bootstrap_port"] == 8998
+    assert args["disaggregation_transfer_backend"] == "nixl" and args["attention_backend"] == "triton"
+    assert "disaggregation_mode" not in server_args(SGLangEngineConfig(model_path="/m"), 1, 2)
+
+
+def sglang_frame(seq: int, events: list[list[object]], rank: int | None = 0) -> list[bytes]:
+    """What SGLang's ZmqEventPublisher sends: msgspec array_like batch of tagged-array events."""
+    payload = msgpack.packb([1700000000.5, events, rank])
+    return [b"kv-events", seq.to_bytes(8, "big"), payload]
+
+
+def test_sglang_event_frames_decode_into_our_events() -> None:
+    frames = sglang_frame(3, [
+        ["BlockStored", [-1, 17], None, list(range(32)), 16, None, "GPU"],
+        ["BlockRemoved", [17], None],
+        ["AllBlocksCleared"],
+    ], rank=1)
+    decoded = decode_event_frames(frames)
+    assert decoded is not None
+    seq, batch = decoded
+    assert seq == 3 and batch.data_parallel_rank == 1 and batch.ts == 1700000000.5
+    stored, removed, cleared = batch.events
+    assert isinstance(stored, BlockStored) and stored.block_hashes == [2**64 - 1, 17] and stored.medium == "GPU"
+    assert isinstance(removed, BlockRemoved) and removed.block_hashes == [17]
+    assert isinstance(cleared, AllBlocksCleared)
+    assert decode_event_frames(frames[:2]) is None
+
+
+async def test_relay_receives_zmq_batches_and_counts_gaps() -> None:
+    import zmq
+    import zmq.asyncio
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    publisher = zmq.asyncio.Context.instance().socket(zmq.PUB)
+    publisher.bind(f"tcp://127.0.0.1:{port}")
+    relay = KvEventRelay(f"tcp://127.0.0.1:{port}")
+    await relay.start()
+    queue = relay.listen()
+    try:
+        received = []
+        for seq in (0, 1, 3):  # 2 is lost
+            for _ in range(50):  # ZMQ's slow joiner: resend until the subscription is live
+                await publisher.send_multipart(sglang_frame(seq, [["BlockRemoved", [seq + 100], None]]))
+                try:
+                    received.append(await asyncio.wait_for(queue.get(), 0.05))
+                    break
+                except TimeoutError:
+                    continue
+        assert [b.events[0].block_hashes for b in received] == [[100], [101], [103]]
+        assert relay.gaps == 1 and relay.last_seq == 3
+    finally:
+        await relay.stop()
+        publisher.close(linger=0)

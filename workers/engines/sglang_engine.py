@@ -1,0 +1,466 @@
+"""`SGLangEngine`: the production engine, an adapter over a real `sglang.Engine` (SGLang 0.5.17).
+
+The only module that imports sglang, and only inside `start()`, so the package stays optional. What
+it maps, read from the 0.5.17 wheel:
+
+- generation: `Engine.async_generate(input_ids=..., sampling_params=..., stream=True, rid=...)` with
+  `incremental_streaming_output=True`, so each item's `output_ids` / `text` are disjoint deltas; the
+  item's `meta_info` carries `finish_reason` (`{"type": "stop"|"length"|"abort", "matched": ...}`),
+  `prompt_tokens`, `completion_tokens`, `cached_tokens` and, when asked, `output_token_logprobs`;
+- disaggregation: `bootstrap_host` / `bootstrap_port` / `bootstrap_room` on the call, with
+  `disaggregation_mode` prefill/decode and the NIXL transfer backend on the engine;
+- abort: `tokenizer_manager.abort_request(rid=...)` (not an Engine method);
+- KV events: `kv_events_config` makes SGLang's scheduler PUB on ZMQ `[topic, seq u64 BE, msgpack
+  KVEventBatch]`, where the batch is msgspec `array_like` — `[ts, [events], attn_dp_rank]` — and
+  each event a tagged array `["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium]`;
+  `KvEventRelay` subscribes and turns them into ours;
+- control: the tokenizer manager's async `flush_cache`, `start_profile` / `stop_profile`,
+  `update_weights_from_disk`, `release_memory_occupation` / `resume_memory_occupation` (the Engine's
+  own wrappers call `run_until_complete`, unusable inside a running loop);
+- load: `tokenizer_manager.get_loads()` snapshots (running / waiting requests, used / total tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import structlog
+
+from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from schemas.registry import BootstrapEndpoint
+from schemas.replies import FinishReason, TokenLogprob, TopLogprob
+from workers.engines.protocol import (
+    DisaggregationRole,
+    EngineInfo,
+    EngineLoad,
+    GenerateOutput,
+    GenerateRequest,
+    KvEventBatchOut,
+    MemoryTag,
+)
+
+log = structlog.get_logger(__name__)
+
+# SGLang's default stream interval emits every token; Dynamo's docs suggest batching a few.
+DEFAULT_STREAM_INTERVAL = 1
+
+
+@dataclass(frozen=True, slots=True)
+class SGLangEngineConfig:
+    model_path: str
+    role: DisaggregationRole = DisaggregationRole.NONE
+    load_format: str = "auto"
+    tp_size: int = 1
+    page_size: int | None = None
+    mem_fraction_static: float | None = None
+    context_length: int | None = None
+    # The trimmed sgl-kernel carried to the GPU machine has no FA3 (see docs/gpu.md).
+    attention_backend: str | None = "triton"
+    sampling_backend: str | None = "pytorch"
+    stream_interval: int = DEFAULT_STREAM_INTERVAL
+    # PD disaggregation: bootstrap port of a prefill engine (0 picks a free one) and the transfer.
+    bootstrap_port: int = 0
+    transfer_backend: str = "nixl"
+    # ZMQ endpoint SGLang publishes KV events on (0 picks a free local port).
+    kv_events_port: int = 0
+    enable_memory_saver: bool = False
+    # Any other ServerArgs field, passed through unchanged.
+    extra_server_args: dict[str, Any] = field(default_factory=dict)
+
+
+def server_args(config: SGLangEngineConfig, kv_events_port: int, bootstrap_port: int) -> dict[str, Any]:
+    """Keyword arguments for `sglang.Engine(...)`."""
+    args: dict[str, Any] = {
+        "model_path": config.model_path,
+        "load_format": config.load_format,
+        "tp_size": config.tp_size,
+        # Deltas, not cumulative output: what the Engine protocol streams.
+        "incremental_streaming_output": True,
+        "stream_interval": config.stream_interval,
+        "enable_metrics": True,
+        "kv_events_config": json.dumps(
+            {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{kv_events_port}", "topic": "kv-events"}
+        ),
+        "enable_memory_saver": config.enable_memory_saver,
+        "log_level": "warning",
+    }
+    optional = {
+        "page_size": config.page_size,
+        "mem_fraction_static": config.mem_fraction_static,
+        "context_length": config.context_length,
+        "attention_backend": config.attention_backend,
+        "sampling_backend": config.sampling_backend,
+    }
+    args.update({key: value for key, value in optional.items() if value is not None})
+    if config.role != DisaggregationRole.NONE:
+        args["disaggregation_mode"] = config.role.value
+        args["disaggregation_transfer_backend"] = config.transfer_backend
+        args["disaggregation_bootstrap_port"] = bootstrap_port
+    args.update(config.extra_server_args)
+    return args
+
+
+def sampling_params(request: GenerateRequest) -> dict[str, Any]:
+    """SGLang's `sampling_params` for a request; unset options keep SGLang's defaults."""
+    sampling, stop = request.sampling, request.stop
+    params: dict[str, Any] = {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "min_p": sampling.min_p,
+        "frequency_penalty": sampling.frequency_penalty,
+        "presence_penalty": sampling.presence_penalty,
+        "repetition_penalty": sampling.repetition_penalty,
+        "sampling_seed": sampling.seed,
+        "n": sampling.n if sampling.n != 1 else None,
+        "max_new_tokens": stop.max_tokens,
+        "min_new_tokens": stop.min_tokens or None,
+        "stop": stop.stop or None,
+        "stop_token_ids": stop.stop_token_ids or None,
+        "ignore_eos": stop.ignore_eos or None,
+        "skip_special_tokens": request.output.skip_special_tokens,
+    }
+    if request.guided is not None:
+        if request.guided.json_schema is not None:
+            params["json_schema"] = json.dumps(request.guided.json_schema)
+        else:
+            params["regex"] = request.guided.regex
+    return {key: value for key, value in params.items() if value is not None}
+
+
+def finish_of(meta_info: dict[str, Any]) -> tuple[FinishReason | None, str | int | None, str | None]:
+    """(finish reason, matched stop, error) from an item's meta_info, normalized like Dynamo's."""
+    reason = meta_info.get("finish_reason")
+    if not reason:
+        return None, None, None
+    kind = reason.get("type", "") if isinstance(reason, dict) else str(reason)
+    matched = reason.get("matched") if isinstance(reason, dict) else None
+    if kind.startswith("abort"):
+        message = reason.get("message") if isinstance(reason, dict) else None
+        # SGLang aborts both for cancels and for requests it refused (e.g. too long).
+        if message and "abort" not in str(message).lower():
+            return FinishReason.ERROR, None, str(message)
+        return FinishReason.CANCELLED, None, None
+    if kind == "length":
+        return FinishReason.LENGTH, None, None
+    if kind == "stop":
+        return FinishReason.STOP, matched if isinstance(matched, str | int) else None, None
+    if kind.startswith("error"):
+        return FinishReason.ERROR, None, kind.partition(":")[2].strip() or "backend error"
+    return FinishReason.STOP, None, None
+
+
+def logprobs_of(meta_info: dict[str, Any], num_new: int) -> list[TokenLogprob] | None:
+    """The last `num_new` entries of `output_token_logprobs` ([logprob, token_id, text?] each)."""
+    entries = meta_info.get("output_token_logprobs")
+    if not entries or num_new == 0:
+        return None
+    tops = meta_info.get("output_top_logprobs") or []
+    result = []
+    for index, entry in enumerate(entries[-num_new:]):
+        top_entries = tops[-num_new:][index] if len(tops) >= num_new else []
+        result.append(TokenLogprob(
+            token_id=int(entry[1]), logprob=float(entry[0]),
+            top=[TopLogprob(token_id=int(t[1]), logprob=float(t[0])) for t in (top_entries or [])],
+        ))
+    return result
+
+
+def decode_event(raw: Any) -> KvEvent | None:
+    """One msgspec tagged-array event (or a map with a `type` key) as ours; unknown kinds: None."""
+    if isinstance(raw, dict):
+        kind, fields = raw.get("type"), raw
+    elif isinstance(raw, list) and raw:
+        kind, values = raw[0], raw[1:]
+        names = {"BlockStored": ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"],
+                 "BlockRemoved": ["block_hashes", "medium"], "AllBlocksCleared": []}.get(kind, [])
+        fields = dict(zip(names, values))
+    else:
+        return None
+    if kind == "BlockStored":
+        return BlockStored(
+            block_hashes=[_u64(h) for h in fields["block_hashes"]],
+            parent_block_hash=_u64(fields["parent_block_hash"]) if fields.get("parent_block_hash") is not None else None,
+            token_ids=list(fields["token_ids"]), block_size=int(fields["block_size"]),
+            lora_id=fields.get("lora_id"), medium=fields.get("medium"),
+        )
+    if kind == "BlockRemoved":
+        return BlockRemoved(block_hashes=[_u64(h) for h in fields["block_hashes"]], medium=fields.get("medium"))
+    if kind == "AllBlocksCleared":
+        return AllBlocksCleared()
+    return None
+
+
+def _u64(value: int) -> int:
+    # SGLang hashes arrive as i64 or u64; reinterpret bitwise as u64 (the reference notes, J.57).
+    return value & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def decode_event_frames(frames: list[bytes]) -> tuple[int, KvEventBatchOut] | None:
+    """`[topic, seq (8 bytes BE), payload]` → (seq, batch); malformed frames give None."""
+    if len(frames) != 3 or len(frames[1]) != 8:
+        return None
+    seq = int.from_bytes(frames[1], "big")
+    batch = msgpack.unpackb(frames[2], raw=False, strict_map_key=False)
+    if isinstance(batch, dict):
+        ts, raw_events, rank = batch.get("ts", time.time()), batch.get("events", []), batch.get("attn_dp_rank")
+    else:
+        ts, raw_events = batch[0], batch[1]
+        rank = batch[2] if len(batch) > 2 else None
+    events = [event for event in (decode_event(raw) for raw in raw_events) if event is not None]
+    return seq, KvEventBatchOut(events=events, ts=float(ts), data_parallel_rank=int(rank or 0))
+
+
+class KvEventRelay:
+    """Subscribes to SGLang's ZMQ KV-event publisher and fans batches out to our listeners."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self._listeners: list[asyncio.Queue[KvEventBatchOut]] = []
+        self._task: asyncio.Task[None] | None = None
+        self.last_seq: int | None = None
+        self.gaps = 0
+
+    async def start(self) -> None:
+        import zmq
+        import zmq.asyncio
+
+        context = zmq.asyncio.Context.instance()
+        self._socket = context.socket(zmq.SUB)
+        self._socket.connect(self.endpoint)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._socket.close(linger=0)
+
+    def listen(self) -> asyncio.Queue[KvEventBatchOut]:
+        queue: asyncio.Queue[KvEventBatchOut] = asyncio.Queue()
+        self._listeners.append(queue)
+        return queue
+
+    def unlisten(self, queue: asyncio.Queue[KvEventBatchOut]) -> None:
+        self._listeners.remove(queue)
+
+    async def _run(self) -> None:
+        while True:
+            frames = await self._socket.recv_multipart()
+            try:
+                decoded = decode_event_frames(frames)
+            except Exception as error:  # one bad frame must not stop the relay
+                log.warning("sglang.kv_event_undecodable", error=repr(error))
+                continue
+            if decoded is None:
+                log.warning("sglang.kv_event_malformed", frames=len(frames))
+                continue
+            seq, batch = decoded
+            if self.last_seq is not None and seq > self.last_seq + 1:
+                self.gaps += 1
+                log.warning("sglang.kv_event_gap", missed=seq - self.last_seq - 1)
+            self.last_seq = seq
+            for queue in self._listeners:
+                queue.put_nowait(batch)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class SGLangEngine:
+    def __init__(self, config: SGLangEngineConfig) -> None:
+        self.config = config
+        self._engine: Any = None
+        self._relay: KvEventRelay | None = None
+        self._bootstrap: BootstrapEndpoint | None = None
+        # Until start() reads the model, the context length is what was configured (0: unknown).
+        self._info = EngineInfo(name="sglang", model=config.model_path, context_length=config.context_length or 0,
+                                role=config.role)
+        self._load = EngineLoad(0, 0, 1, 0, 0)
+        self._load_task: asyncio.Task[None] | None = None
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    async def start(self) -> None:
+        import sglang
+
+        kv_port = self.config.kv_events_port or _free_port()
+        bootstrap_port = self.config.bootstrap_port or _free_port()
+        args = server_args(self.config, kv_port, bootstrap_port)
+        log.info("sglang.starting", model=self.config.model_path, role=self.config.role.value)
+        self._engine = sglang.Engine(**args)
+        manager = self._engine.tokenizer_manager
+        self._info = EngineInfo(
+            name="sglang",
+            model=self.config.model_path,
+            context_length=int(manager.model_config.context_len),
+            role=self.config.role,
+            eos_token_ids=tuple(sorted(manager.model_config.hf_eos_token_id or ())),
+        )
+        if self.config.role == DisaggregationRole.PREFILL:
+            self._bootstrap = BootstrapEndpoint(host=_host_ip(), port=bootstrap_port)
+        self._relay = KvEventRelay(f"tcp://127.0.0.1:{kv_port}")
+        await self._relay.start()
+        self._load_task = asyncio.create_task(self._refresh_load())
+
+    async def shutdown(self) -> None:
+        if self._load_task is not None:
+            self._load_task.cancel()
+        if self._relay is not None:
+            await self._relay.stop()
+        if self._engine is not None:
+            await asyncio.to_thread(self._engine.shutdown)
+            self._engine = None
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        kwargs: dict[str, Any] = {
+            "input_ids": request.token_ids,
+            "sampling_params": sampling_params(request),
+            "stream": True,
+            "rid": request.request_id,
+            "return_logprob": request.output.logprobs,
+        }
+        if request.output.logprobs and request.output.top_logprobs:
+            kwargs["top_logprobs_num"] = request.output.top_logprobs
+        if request.bootstrap is not None:
+            kwargs.update(bootstrap_host=request.bootstrap.bootstrap_host,
+                          bootstrap_port=request.bootstrap.bootstrap_port,
+                          bootstrap_room=request.bootstrap.bootstrap_room)
+        if request.priority is not None:
+            kwargs["priority"] = request.priority
+        stream = await self._engine.async_generate(**kwargs)
+        finished = False
+        try:
+            async for item in stream:
+                meta = item.get("meta_info", {})
+                reason, matched, error = finish_of(meta)
+                token_ids = list(item.get("output_ids") or [])
+                if not token_ids and reason is None:
+                    continue  # an idle tick
+                finished = reason is not None
+                yield GenerateOutput(
+                    token_ids=token_ids,
+                    text=item.get("text") or "",
+                    finish_reason=reason,
+                    prompt_tokens=int(meta.get("prompt_tokens", len(request.token_ids))),
+                    completion_tokens=int(meta.get("completion_tokens", 0)),
+                    cached_tokens=int(meta.get("cached_tokens", 0)),
+                    logprobs=logprobs_of(meta, len(token_ids)),
+                    matched_stop=matched,
+                    error=error,
+                )
+                if finished:
+                    return
+        finally:
+            if not finished:
+                await self.abort(request.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        if self._engine is not None:
+            self._engine.tokenizer_manager.abort_request(rid=request_id)
+
+    async def encode(self, inputs: list[list[int]]) -> list[list[float]]:
+        result = await self._engine.async_encode(prompt=[{"input_ids": ids} for ids in inputs])
+        items = result if isinstance(result, list) else [result]
+        return [list(item["embedding"]) for item in items]
+
+    def load(self) -> EngineLoad:
+        return self._load
+
+    async def _refresh_load(self) -> None:
+        while True:
+            try:
+                snapshots = await self._engine.tokenizer_manager.get_loads()
+                if snapshots:
+                    page = self.config.page_size or 1
+                    used = sum(s.num_used_tokens for s in snapshots)
+                    total = sum(s.max_total_num_tokens for s in snapshots)
+                    self._load = EngineLoad(
+                        running_requests=sum(s.num_running_reqs for s in snapshots),
+                        waiting_requests=sum(s.num_waiting_reqs for s in snapshots),
+                        kv_block_size=page,
+                        kv_total_blocks=total // page,
+                        kv_used_blocks=-(-used // page),
+                        cache_hit_rate=max(s.cache_hit_rate for s in snapshots),
+                    )
+            except Exception as error:  # metrics only; never take the worker down
+                log.warning("sglang.load_failed", error=repr(error))
+            await asyncio.sleep(1.0)
+
+    async def kv_events(self) -> AsyncIterator[KvEventBatchOut]:
+        assert self._relay is not None
+        queue = self._relay.listen()
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            self._relay.unlisten(queue)
+
+    @property
+    def bootstrap_endpoint(self) -> BootstrapEndpoint | None:
+        return self._bootstrap
+
+    async def release_memory(self, tags: list[MemoryTag]) -> None:
+        from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
+
+        await self._engine.tokenizer_manager.release_memory_occupation(
+            ReleaseMemoryOccupationReqInput(tags=[tag.value for tag in tags]), None
+        )
+
+    async def resume_memory(self, tags: list[MemoryTag]) -> None:
+        from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
+
+        await self._engine.tokenizer_manager.resume_memory_occupation(
+            ResumeMemoryOccupationReqInput(tags=[tag.value for tag in tags]), None
+        )
+
+    async def start_profile(self, output_dir: Path) -> None:
+        from sglang.srt.managers.io_struct import ProfileReq
+
+        await self._engine.tokenizer_manager.start_profile(ProfileReq(output_dir=str(output_dir)))
+
+    async def stop_profile(self) -> None:
+        await self._engine.tokenizer_manager.stop_profile()
+
+    async def update_weights_from_disk(self, model_path: Path) -> None:
+        from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
+
+        result = await self._engine.tokenizer_manager.update_weights_from_disk(
+            UpdateWeightFromDiskReqInput(model_path=str(model_path)), None
+        )
+        success = result[0] if isinstance(result, tuple) else getattr(result, "success", True)
+        if not success:
+            raise RuntimeError(f"SGLang refused the weights at {model_path}: {result}")
+
+    async def flush_cache(self) -> None:
+        result = await self._engine.tokenizer_manager.flush_cache()
+        if not getattr(result, "success", True):
+            raise RuntimeError("SGLang could not flush its cache (requests are running)")
+
+
+def _host_ip() -> str:
+    """This host's address as peers reach it (SGLANG_HOST_IP wins, as in SGLang)."""
+    import os
+
+    if os.environ.get("SGLANG_HOST_IP"):
+        return os.environ["SGLANG_HOST_IP"]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))
+            return str(probe.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
