@@ -6,17 +6,23 @@ docs/wire-protocol.md.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from bus.cancel import send_cancel
+from bus.connection import connect
 from bus.publish import TaskPublisher
+from bus.registry import live_workers
 from bus.replies import ReplyStream
-from bus.settings import BusSettings
+from bus.settings import BusSettings, NatsSettings
+from bus.streams import ensure_registry_bucket
 from bus.subjects import Names
 from bus.tracing import TraceContext
 from schemas.client import ChatRequest, CompletionRequest, EmbeddingRequest
-from schemas.registry import Stage
+from schemas.registry import Stage, WorkerCard
 
 ClientRequestModel = ChatRequest | CompletionRequest | EmbeddingRequest
 
@@ -52,3 +58,17 @@ class PipelineClient:
 
     async def cancel(self, request_id: str, reason: str = "cancelled by client") -> None:
         await send_cancel(self._js, self._names, request_id, reason)
+
+    async def live_workers(self) -> list[WorkerCard]:
+        bucket = await ensure_registry_bucket(self._js, self._names, self._settings)
+        return await live_workers(bucket)
+
+
+@asynccontextmanager
+async def open_client(nats: NatsSettings, bus: BusSettings, name: str) -> AsyncIterator[PipelineClient]:
+    """A connected client of the namespace's pipeline, closed on exit."""
+    nc = await connect(nats, name=name)
+    try:
+        yield PipelineClient(nc, nc.jetstream(), Names(bus.namespace), bus)
+    finally:
+        await nc.close()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import ssl
+from collections.abc import Awaitable, Callable
 
 import nats
 import structlog
@@ -11,6 +13,9 @@ from nats.aio.client import Client
 from bus.settings import NatsSettings
 
 log = structlog.get_logger(__name__)
+
+Callback = Callable[[], Awaitable[None]]
+ErrorCallback = Callable[[Exception], Awaitable[None]]
 
 
 def tls_context(settings: NatsSettings) -> ssl.SSLContext | None:
@@ -37,26 +42,32 @@ async def connect(settings: NatsSettings, name: str) -> Client:
         log.warning("nats.error", name=name, error=str(error))
 
     try:
-        return await nats.connect(
-            servers=settings.urls,
-            name=name,
-            user=settings.user,
-            password=settings.password,
-            token=settings.token,
-            user_credentials=str(settings.creds_file) if settings.creds_file else None,
-            nkeys_seed=str(settings.nkey_seed_file) if settings.nkey_seed_file else None,
-            tls=tls_context(settings),
-            inbox_prefix=settings.inbox_prefix,
-            ping_interval=settings.ping_interval_s,
-            max_outstanding_pings=settings.max_outstanding_pings,
-            connect_timeout=settings.connect_timeout_s,
-            reconnect_time_wait=settings.reconnect_wait_s,
-            max_reconnect_attempts=settings.max_reconnect_attempts,
-            allow_reconnect=True,
-            disconnected_cb=on_disconnect,
-            reconnected_cb=on_reconnect,
-            error_cb=on_error,
-        )
+        return await asyncio.wait_for(_connect(settings, name, on_disconnect, on_reconnect, on_error),
+                                      timeout=settings.initial_connect_timeout_s)
     except Exception as error:
-        # nats-py raises a bare NoServersError after its attempts; say which servers were tried.
+        # nats-py retries unreachable servers forever, or raises a bare NoServersError: say which were tried.
         raise ConnectionError(f"cannot reach NATS at {', '.join(settings.urls)}: {error!r}") from error
+
+
+async def _connect(settings: NatsSettings, name: str, on_disconnect: Callback, on_reconnect: Callback,
+                   on_error: ErrorCallback) -> Client:
+    return await nats.connect(
+        servers=settings.urls,
+        name=name,
+        user=settings.user,
+        password=settings.password,
+        token=settings.token,
+        user_credentials=str(settings.creds_file) if settings.creds_file else None,
+        nkeys_seed=str(settings.nkey_seed_file) if settings.nkey_seed_file else None,
+        tls=tls_context(settings),
+        inbox_prefix=settings.inbox_prefix,
+        ping_interval=settings.ping_interval_s,
+        max_outstanding_pings=settings.max_outstanding_pings,
+        connect_timeout=settings.connect_timeout_s,
+        reconnect_time_wait=settings.reconnect_wait_s,
+        max_reconnect_attempts=settings.max_reconnect_attempts,
+        allow_reconnect=True,
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+        error_cb=on_error,
+    )

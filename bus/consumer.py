@@ -136,6 +136,9 @@ class WorkConsumer(Generic[TaskT]):
         self._slot_freed = asyncio.Event()
         self._stopping = asyncio.Event()
         self._loop_done = asyncio.Event()
+        # Cleared while paused (engine memory released): nothing is fetched, nothing is lost.
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
 
     @property
     def bound(self) -> bool:
@@ -144,6 +147,17 @@ class WorkConsumer(Generic[TaskT]):
     @property
     def in_flight(self) -> int:
         return len(self._tasks)
+
+    @property
+    def paused(self) -> bool:
+        return not self._unpaused.is_set()
+
+    def pause(self) -> None:
+        """Stop fetching new work (running handlers go on); the queue keeps it for other replicas."""
+        self._unpaused.clear()
+
+    def resume(self) -> None:
+        self._unpaused.set()
 
     async def bind(self) -> None:
         """Declare the shared durable consumer (idempotent) and bind a pull subscription to it."""
@@ -160,6 +174,9 @@ class WorkConsumer(Generic[TaskT]):
             await self.bind()
         try:
             while not self._stopping.is_set():
+                if not self._unpaused.is_set():
+                    await _first_of(self._unpaused.wait(), self._stopping.wait())
+                    continue
                 free_slots = self._options.max_concurrency - len(self._tasks)
                 if free_slots <= 0:
                     self._slot_freed.clear()
@@ -337,6 +354,15 @@ class WorkConsumer(Generic[TaskT]):
     async def _ack(self, msg: Msg, outcome: str) -> None:
         await msg.ack()
         MESSAGES_HANDLED.labels(stage=self.stage.value, outcome=outcome).inc()
+
+
+async def _first_of(*waits: Awaitable[object]) -> None:
+    tasks = [asyncio.ensure_future(wait) for wait in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _queued_s(msg: Msg) -> float:

@@ -10,6 +10,16 @@ import structlog
 _configured = False
 
 
+class _CurrentStderr:
+    """Writes to whatever `sys.stderr` is at the time (test runners and daemons swap it)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: str = "INFO", json_lines: bool | None = None) -> None:
     """Set up structlog and the stdlib root logger; later calls change nothing.
 
@@ -36,7 +46,7 @@ def configure_logging(level: str = "INFO", json_lines: bool | None = None) -> No
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=True,
     )
     logging.basicConfig(level=numeric_level, stream=sys.stderr, format="%(levelname)s %(name)s %(message)s")

@@ -25,3 +25,22 @@ REPLY_FRAMES = Counter("conveyor_reply_frames_total", "Frames published to reply
 # where: queued (dropped when pulled) | running (handler told) | received (seen on the control subject)
 CANCELS = Counter("conveyor_cancels_total", "Cancels seen and acted on", ["where"])
 CLIENTS_GONE = Counter("conveyor_clients_gone_total", "Streams stopped because the client stopped answering")
+
+# Per-request serving metrics, observed by the stage that streams to the client.
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# outcome: stop | length | cancelled | error | rejected
+REQUESTS = Counter("conveyor_requests_total", "Requests finished, by outcome", ["stage", "model", "outcome"])
+TIME_TO_FIRST_TOKEN = Histogram("conveyor_time_to_first_token_seconds", "Request entering the pipeline to first token",
+                                ["model"], buckets=_LATENCY_BUCKETS)
+INTER_TOKEN_LATENCY = Histogram("conveyor_inter_token_latency_seconds", "Time between streamed tokens", ["model"],
+                                buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1))
+END_TO_END = Histogram("conveyor_request_seconds", "Request entering the pipeline to its final frame", ["model"],
+                       buckets=_LATENCY_BUCKETS)
+QUEUE_SECONDS = Histogram("conveyor_queue_seconds", "Time a task waited in its work stream", ["stage"],
+                          buckets=_LATENCY_BUCKETS)
+ENGINE_RUNNING = Gauge("conveyor_engine_running_requests", "Requests the engine is generating", ["stage", "model"])
+ENGINE_WAITING = Gauge("conveyor_engine_waiting_requests", "Requests queued inside the engine", ["stage", "model"])
+KV_USAGE = Gauge("conveyor_kv_cache_usage_ratio", "Used fraction of the engine's KV blocks", ["stage", "model"])
+CACHE_HIT_RATE = Gauge("conveyor_prefix_cache_hit_ratio", "Prompt tokens served from the prefix cache", ["stage", "model"])
+KV_EVENT_BATCHES = Counter("conveyor_kv_event_batches_total", "KV-event batches relayed to the stream", ["stage"])
+WORKER_READY = Gauge("conveyor_worker_ready", "1 when the worker takes work", ["stage"])

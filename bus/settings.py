@@ -40,6 +40,8 @@ class NatsSettings(BaseSettings):
     ping_interval_s: float = Field(default=2.0, gt=0)
     max_outstanding_pings: int = Field(default=2, ge=1)
     connect_timeout_s: float = Field(default=5.0, gt=0)
+    # Give up the first connection after this long (later disconnects reconnect forever).
+    initial_connect_timeout_s: float = Field(default=10.0, gt=0)
     reconnect_wait_s: float = Field(default=0.5, gt=0)
     # -1 reconnects forever: a worker rides out a NATS restart.
     max_reconnect_attempts: int = -1

@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/conveyor smoke "$@"
+exec .venv/bin/conveyor up --ask "${1:-What is the capital of France?}" --exit

@@ -45,7 +45,7 @@ def test_streams_command_declares_and_lists_the_namespace(nats_server: EmbeddedN
 
 
 def test_unreachable_nats_is_reported_with_the_url() -> None:
-    result = CliRunner().invoke(app, ["streams", "--nats", "nats://127.0.0.1:1"])
+    result = CliRunner().invoke(app, ["streams", "--nats", "nats://127.0.0.1:1"], env={"CONVEYOR_NATS_INITIAL_CONNECT_TIMEOUT_S": "2"})
     assert result.exit_code != 0
     assert "cannot reach NATS at nats://127.0.0.1:1" in str(result.exception)
 

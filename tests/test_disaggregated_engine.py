@@ -17,9 +17,8 @@ import pytest
 from schemas.replies import FinishReason
 from schemas.sampling import SamplingOptions, StopConditions
 from schemas.tasks import BootstrapInfo
-from workers.engines.protocol import DisaggregationRole, GenerateRequest
+from workers.engines.protocol import DisaggregationRole, GenerateRequest, TransferFailed
 from workers.engines.torch_engine.engine import TorchEngine, TorchEngineConfig
-from workers.engines.torch_engine.kv_transfer import TransferFailed
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +30,7 @@ PREFILL_SCRIPT = textwrap.dedent(
     import asyncio, json, sys
     from schemas.sampling import SamplingOptions, StopConditions
     from schemas.tasks import BootstrapInfo
-    from workers.engines.protocol import DisaggregationRole, GenerateRequest
+    from workers.engines.protocol import DisaggregationRole, GenerateRequest, TransferFailed
     from workers.engines.torch_engine.engine import TorchEngine, TorchEngineConfig
 
     async def main() -> None:

@@ -163,5 +163,139 @@ def generate(
     asyncio.run(run_generate(EngineKind(engine), model, prompt, max_tokens, temperature, seed, raw))
 
 
+ModelOption = Annotated[
+    str | None,
+    typer.Option("--model", help="Served model: a local Hugging Face directory, or SmolLM2-135M-Instruct (bundled, default)."),
+]
+EngineOption = Annotated[str, typer.Option("--engine", help="torch (embedded, default), mock (simulated) or sglang (GPU).")]
+ModeOption = Annotated[str, typer.Option("--mode", help="aggregated (processor → decode) or disaggregated (→ prefill → decode).")]
+
+
+@app.command()
+def worker(
+    stage: Annotated[str, typer.Argument(help="processor, prefill or decode.")],
+    model: Annotated[list[str] | None, typer.Option("--model", help="Model to serve (processor: repeat for several). Default: SmolLM2-135M-Instruct.")] = None,
+    engine: EngineOption = "torch",
+    mode: ModeOption = "aggregated",
+    http_port: Annotated[int, typer.Option(help="Port of /metrics, /live, /ready and /engine/* (0: any free port).")] = 0,
+    http_host: Annotated[str, typer.Option(help="Address the HTTP port listens on.")] = "0.0.0.0",
+    max_concurrency: Annotated[int, typer.Option(min=1, help="Tasks this worker handles at once.")] = 32,
+    shutdown_grace_s: Annotated[float, typer.Option(help="On SIGTERM, how long in-flight work may finish before it is handed back.")] = 30.0,
+    load_format: Annotated[str, typer.Option(help="auto, or dummy (random weights; for benchmarks).")] = "auto",
+    nats: NatsOption = None,
+    namespace: NamespaceOption = None,
+    log_level: LogLevelOption = "INFO",
+) -> None:
+    """Run one stage worker: pull its work from JetStream until SIGTERM.
+
+    Start as many replicas of a stage as you like, on any machine that reaches the NATS server;
+    replicas of a stage share one durable consumer, so each task goes to exactly one of them.
+    """
+    from schemas.registry import ServingMode, Stage
+    from workers.engines.factory import EngineKind
+    from workers.engines.torch_engine.loader import DEFAULT_MODEL
+    from workers.runtime import WorkerOptions, WorkerRuntime
+    from workers.stages import build_stage
+
+    configure_logging(log_level)
+    nats_settings, bus_settings = load_settings(nats, namespace)
+    stage_kind, serving_mode, engine_kind = Stage(stage), ServingMode(mode), EngineKind(engine)
+    models = model or [DEFAULT_MODEL if engine_kind != EngineKind.MOCK else "mock"]
+    built = build_stage(stage_kind, engine_kind, models, serving_mode, load_format)
+    options = WorkerOptions(
+        stage=stage_kind, model=models[0], mode=serving_mode, engine_name=engine_kind.value, http_host=http_host,
+        http_port=http_port, max_concurrency=max_concurrency, shutdown_grace_s=shutdown_grace_s,
+    )
+    asyncio.run(WorkerRuntime(built, options, nats_settings, bus_settings).run())
+
+
+@app.command()
+def up(
+    model: ModelOption = None,
+    engine: EngineOption = "torch",
+    mode: ModeOption = "aggregated",
+    decode_replicas: Annotated[int, typer.Option(min=1, help="Decode worker processes to start.")] = 1,
+    ask_prompt: Annotated[str | None, typer.Option("--ask", help="Once ready, send this question and stream the answer.")] = None,
+    exit_after: Annotated[bool, typer.Option("--exit", help="Stop everything after --ask instead of serving on.")] = False,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Most tokens for the --ask answer.")] = 128,
+    nats: NatsOption = None,
+    namespace: NamespaceOption = None,
+    log_level: LogLevelOption = "WARNING",
+) -> None:
+    """Start the pipeline: an embedded NATS server (unless --nats) and a worker process per stage.
+
+    Waits until the model is ready, answers --ask if given, and serves until Ctrl-C (or exits after
+    the answer with --exit). Workers log at --log-level to stderr.
+    """
+    import os
+
+    from schemas.registry import ServingMode
+    from workers.engines.factory import EngineKind
+    from workers.engines.torch_engine.loader import DEFAULT_MODEL
+    from workers.launcher import UpOptions, run_up
+
+    configure_logging(log_level)
+    nats_settings, bus_settings = load_settings(nats, namespace)
+    embedded = nats is None and "CONVEYOR_NATS_URLS" not in os.environ
+    served = model or (DEFAULT_MODEL if EngineKind(engine) != EngineKind.MOCK else "mock")
+    options = UpOptions(model=served, engine=engine, mode=ServingMode(mode), decode_replicas=decode_replicas,
+                        question=ask_prompt, exit_after_question=exit_after, max_tokens=max_tokens, log_level=log_level)
+    raise typer.Exit(asyncio.run(run_up(nats_settings, bus_settings, embedded, options)))
+
+
+@app.command("ask")
+def ask_command(
+    prompt: Annotated[str, typer.Argument(help="The question; sent as a chat message.")],
+    model: ModelOption = None,
+    max_tokens: Annotated[int | None, typer.Option(min=1, help="Most tokens to generate.")] = None,
+    temperature: Annotated[float | None, typer.Option(min=0.0, help="0 is greedy; default: the engine's.")] = None,
+    timeout_s: Annotated[float, typer.Option(help="Longest wait for the first frame.")] = 60.0,
+    nats: NatsOption = None,
+    namespace: NamespaceOption = None,
+    log_level: LogLevelOption = "WARNING",
+) -> None:
+    """Send a chat request through the bus and stream the answer.
+
+    Says at once when no ready pipeline serves the model, instead of waiting.
+    """
+    from workers.client_commands import NoWorkerServes, ask, explain, report
+    from workers.engines.torch_engine.loader import DEFAULT_MODEL
+
+    configure_logging(log_level)
+    nats_settings, bus_settings = load_settings(nats, namespace)
+    try:
+        report(asyncio.run(ask(nats_settings, bus_settings, model or DEFAULT_MODEL, prompt, max_tokens, temperature,
+                               timeout_s)))
+    except NoWorkerServes as error:
+        typer.echo(f"[conveyor] {error}", err=True)
+        raise typer.Exit(2) from None
+    except Exception as error:
+        typer.echo(f"[conveyor] {explain(error)}", err=True)
+        raise typer.Exit(1) from None
+
+
+@app.command()
+def cancel(
+    request_id: Annotated[str, typer.Argument(help="The request to stop, wherever it is in the pipeline.")],
+    nats: NatsOption = None,
+    namespace: NamespaceOption = None,
+) -> None:
+    """Cancel a request: it is dropped if queued, aborted if running; its client gets `cancelled`."""
+    from workers.client_commands import cancel as send
+
+    nats_settings, bus_settings = load_settings(nats, namespace)
+    asyncio.run(send(nats_settings, bus_settings, request_id))
+    typer.echo(f"cancel sent for {request_id}", err=True)
+
+
+@app.command()
+def status(nats: NatsOption = None, namespace: NamespaceOption = None) -> None:
+    """List live workers (stage, model, mode, readiness, KV usage) and the models ready to serve."""
+    from workers.client_commands import status as read_status
+
+    nats_settings, bus_settings = load_settings(nats, namespace)
+    typer.echo(asyncio.run(read_status(nats_settings, bus_settings)))
+
+
 if __name__ == "__main__":
     app()

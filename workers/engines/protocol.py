@@ -27,6 +27,10 @@ class UnsupportedOption(ValueError):
     """A valid request option this engine cannot honour; the client gets an `unsupported` error."""
 
 
+class TransferFailed(RuntimeError):
+    """A disaggregated KV handoff (prefill → decode) could not complete."""
+
+
 class MemoryTag(StrEnum):
     KV_CACHE = "kv_cache"
     WEIGHTS = "weights"

@@ -25,6 +25,7 @@ from aiohttp import web
 
 from schemas.registry import BootstrapEndpoint
 from schemas.tasks import BootstrapInfo
+from workers.engines.protocol import TransferFailed
 
 log = structlog.get_logger(__name__)
 
@@ -37,10 +38,6 @@ def _nixl() -> ModuleType:
         except ImportError:
             continue
     raise RuntimeError("disaggregated serving needs NIXL: pip install nixl (or nixl-cu12)")
-
-
-class TransferFailed(RuntimeError):
-    """The KV handoff for a room could not complete."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,103 @@
+"""`conveyor ask`, `conveyor cancel`, `conveyor status`: a NATS client of the pipeline in a terminal."""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+
+from bus.client import PipelineClient, open_client
+from bus.errors import RemoteError, ReplyStreamBroken
+from bus.registry import ready_models
+from bus.settings import BusSettings, NatsSettings
+from schemas.client import ChatMessage, ChatRequest, StreamFormat
+from schemas.replies import FinalFrame
+
+
+class NoWorkerServes(RuntimeError):
+    """Nothing would answer: said at once instead of waiting for a timeout."""
+
+
+@dataclass(frozen=True, slots=True)
+class AskResult:
+    text: str
+    final: FinalFrame
+    first_token_s: float
+    elapsed_s: float
+
+
+async def ensure_model_ready(client: PipelineClient, bus: BusSettings, model: str) -> None:
+    cards = await client.live_workers()
+    if model not in ready_models(cards):
+        serving = sorted({card.model for card in cards})
+        raise NoWorkerServes(
+            f"no ready pipeline serves {model!r} in namespace {bus.namespace!r}"
+            + (f" (models with live workers: {', '.join(serving)})" if serving else " (no workers are running)")
+            + "; start one with `conveyor up` or `conveyor worker ...`"
+        )
+
+
+async def ask(nats: NatsSettings, bus: BusSettings, model: str, prompt: str, max_tokens: int | None,
+              temperature: float | None, timeout_s: float, echo: bool = True) -> AskResult:
+    """Send a chat request through the pipeline and stream the answer to stdout."""
+    async with open_client(nats, bus, "conveyor-ask") as client:
+        await ensure_model_ready(client, bus, model)
+        request = ChatRequest(
+            request_id=f"ask-{uuid.uuid4().hex[:16]}", reply_to=client.new_inbox(), model=model,
+            messages=[ChatMessage(role="user", content=prompt)], max_tokens=max_tokens, temperature=temperature,
+            stream_format=StreamFormat.TEXT,
+        )
+        started = time.perf_counter()
+        first_token_s = 0.0
+        parts: list[str] = []
+        async with await client.submit(request, first_frame_timeout_s=timeout_s) as stream:
+            async for chunk in stream:
+                if not parts:
+                    first_token_s = time.perf_counter() - started
+                parts.append(chunk.text or "")
+                if echo:
+                    print(chunk.text or "", end="", flush=True)
+        if echo:
+            print()
+        assert isinstance(stream.terminal, FinalFrame)
+        return AskResult("".join(parts), stream.terminal, first_token_s, time.perf_counter() - started)
+
+
+def report(result: AskResult) -> None:
+    usage = result.final.usage
+    print(
+        f"[conveyor] {result.final.finish_reason.value}: {usage.prompt_tokens} prompt "
+        f"({usage.cached_tokens} cached) + {usage.completion_tokens} completion tokens, "
+        f"first token {1000 * result.first_token_s:.0f} ms, total {result.elapsed_s:.2f} s",
+        file=sys.stderr,
+    )
+
+
+def explain(error: Exception) -> str:
+    if isinstance(error, RemoteError):
+        return f"the pipeline refused the request: {error.code.value}: {error.frame.message}"
+    if isinstance(error, ReplyStreamBroken):
+        return f"the reply stream broke: {error}"
+    return str(error)
+
+
+async def cancel(nats: NatsSettings, bus: BusSettings, request_id: str) -> None:
+    async with open_client(nats, bus, "conveyor-cancel") as client:
+        await client.cancel(request_id)
+
+
+async def status(nats: NatsSettings, bus: BusSettings) -> str:
+    async with open_client(nats, bus, "conveyor-status") as client:
+        cards = await client.live_workers()
+    if not cards:
+        return f"no live workers in namespace {bus.namespace!r}"
+    lines = [f"{'worker':<40} {'stage':<10} {'model':<28} {'mode':<14} {'engine':<7} {'ready':<6} {'kv used':>9}  metrics"]
+    for card in cards:
+        kv = f"{card.kv.used_blocks}/{card.kv.total_blocks}" if card.kv else "-"
+        lines.append(f"{card.worker_id:<40} {card.stage.value:<10} {card.model:<28} {card.mode.value:<14} "
+                     f"{card.engine:<7} {'yes' if card.ready else 'no':<6} {kv:>9}  {card.metrics_url or '-'}")
+    models = ready_models(cards)
+    lines.append("")
+    lines.append("ready models: " + (", ".join(f"{m} ({mode.value})" for m, mode in sorted(models.items())) or "none"))
+    return "\n".join(lines)

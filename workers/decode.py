@@ -1,0 +1,177 @@
+"""Decode stage: generate tokens and stream them to the client.
+
+Consumes `DecodeTask` from `{ns}.work.decode.{model}`. Aggregated tasks (no bootstrap) run prompt
+and generation on this engine; disaggregated tasks carry `{bootstrap_host, bootstrap_port,
+bootstrap_room}` and the engine reads the prompt's KV from that prefill engine first.
+
+Emits to the task's `reply_to`: `TokenChunk`s — token ids always, the text delta when the request
+asked for text (whole characters only, matched stop strings hidden), an OpenAI
+`chat.completion.chunk` when asked for that shape — then one `FinalFrame` with the normalized
+finish reason and usage (prompt, completion, total, cached tokens).
+
+Fails how: an option the engine cannot honour → `unsupported` error frame; an engine error →
+`internal` error frame; a KV handoff that cannot complete → retryable `worker_lost` error frame.
+A `Cancel` (or the client vanishing, seen by the reply stream's liveness probe) aborts the engine
+request at once, freeing its blocks, and the client gets `finish_reason: cancelled`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import structlog
+
+from bus.consumer import Delivery
+from bus.errors import RejectRequest
+from bus.metrics import END_TO_END, INTER_TOKEN_LATENCY, QUEUE_SECONDS, REQUESTS, TIME_TO_FIRST_TOKEN
+from bus.replies import ReplySender
+from schemas.client import StreamFormat
+from schemas.registry import Stage
+from schemas.replies import ChatChunkChoice, ChatCompletionChunk, ChatDelta, ErrorCode, FinishReason, Usage
+from schemas.tasks import DecodeTask
+from workers.engines.protocol import Engine, GenerateOutput, GenerateRequest, TransferFailed, UnsupportedOption
+from workers.runtime import StageContext
+
+log = structlog.get_logger(__name__)
+
+CANARY = GenerateRequest("canary", [1, 2, 3, 4])
+
+
+class DecodeStage:
+    task_type = DecodeTask
+
+    def __init__(self, engine: Engine, model: str) -> None:
+        self._engine = engine
+        self.model = model
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    @property
+    def consumes_model(self) -> str:
+        return self.model
+
+    async def start(self, context: StageContext) -> None:
+        await self._engine.start()
+
+    async def stop(self) -> None:
+        await self._engine.shutdown()
+
+    async def canary(self) -> None:
+        await run_canary(self._engine, f"canary-{time.monotonic_ns()}")
+
+    async def handle(self, task: DecodeTask, delivery: Delivery) -> None:
+        QUEUE_SECONDS.labels(stage=Stage.DECODE.value).observe(delivery.queued_s)
+        request = GenerateRequest(
+            request_id=task.request_id,
+            token_ids=task.request.token_ids,
+            sampling=task.request.sampling,
+            stop=task.request.stop,
+            output=task.request.output,
+            guided=task.request.guided,
+            bootstrap=task.bootstrap,
+            priority=task.request.priority,
+        )
+        async with delivery.reply as reply:
+            outcome = await self._stream(task, request, reply, delivery)
+        REQUESTS.labels(stage=Stage.DECODE.value, model=self.model, outcome=outcome).inc()
+        END_TO_END.labels(model=self.model).observe(max(0.0, time.time() - task.header.created_at_s))
+
+    async def _stream(self, task: DecodeTask, request: GenerateRequest, reply: ReplySender, delivery: Delivery) -> str:
+        stopper = asyncio.create_task(_abort_when_stopped(self._engine, request.request_id, delivery, reply))
+        shape = _Shaper(task, self.model)
+        last_token_s: float | None = None
+        try:
+            async for output in self._engine.generate(request):
+                if output.token_ids or output.text:
+                    now = time.time()
+                    if last_token_s is None:
+                        TIME_TO_FIRST_TOKEN.labels(model=self.model).observe(max(0.0, now - task.header.created_at_s))
+                    else:
+                        INTER_TOKEN_LATENCY.labels(model=self.model).observe(now - last_token_s)
+                    last_token_s = now
+                if output.finished:
+                    return await self._finish(output, shape, reply, delivery)
+                await reply.send_tokens(output.token_ids, **shape.chunk(output))
+        except UnsupportedOption as error:
+            raise RejectRequest(ErrorCode.UNSUPPORTED, str(error)) from error
+        except TransferFailed as error:
+            if delivery.cancelled.is_set():
+                await reply.finish(FinishReason.CANCELLED, Usage.of(len(request.token_ids), 0))
+                return FinishReason.CANCELLED.value
+            await reply.fail(ErrorCode.WORKER_LOST, f"KV handoff failed: {error}", retryable=True)
+            return "error"
+        finally:
+            stopper.cancel()
+        await reply.fail(ErrorCode.INTERNAL, "the engine ended the stream without a final output", retryable=True)
+        return "error"
+
+    async def _finish(self, output: GenerateOutput, shape: _Shaper, reply: ReplySender, delivery: Delivery) -> str:
+        assert output.finish_reason is not None
+        if output.finish_reason == FinishReason.ERROR:
+            await reply.fail(ErrorCode.INTERNAL, output.error or "engine error")
+            return "error"
+        usage = Usage.of(output.prompt_tokens, output.completion_tokens, output.cached_tokens)
+        if output.token_ids or output.text or shape.wants_openai:
+            await reply.send_tokens(output.token_ids, **shape.chunk(output, final_reason=output.finish_reason, usage=usage))
+        await reply.finish(output.finish_reason, usage, output.matched_stop)
+        return output.finish_reason.value
+
+
+class _Shaper:
+    """Turns engine outputs into the chunk fields the request asked for."""
+
+    def __init__(self, task: DecodeTask, model: str) -> None:
+        self._format = task.header.stream_format
+        self._request_id = task.request_id
+        self._model = model
+        self._created = int(task.header.created_at_s)
+        self._sent_role = False
+
+    @property
+    def wants_openai(self) -> bool:
+        return self._format == StreamFormat.OPENAI
+
+    def chunk(self, output: GenerateOutput, final_reason: FinishReason | None = None,
+              usage: Usage | None = None) -> dict[str, Any]:
+        fields: dict[str, Any] = {"logprobs": output.logprobs}
+        if self._format == StreamFormat.TOKENS:
+            return fields
+        fields["text"] = output.text
+        if self._format == StreamFormat.OPENAI:
+            delta = ChatDelta(role=None if self._sent_role else "assistant", content=output.text or None)
+            self._sent_role = True
+            fields["openai"] = ChatCompletionChunk(
+                id=self._request_id, created=self._created, model=self._model,
+                choices=[ChatChunkChoice(delta=delta, finish_reason=final_reason.value if final_reason else None)],
+                usage=usage,
+            )
+        return fields
+
+
+async def _abort_when_stopped(engine: Engine, request_id: str, delivery: Delivery, reply: ReplySender) -> None:
+    """Abort the engine request when it is cancelled or its client is gone."""
+    waits = [asyncio.ensure_future(delivery.cancelled.wait()), asyncio.ensure_future(reply.client_gone.wait())]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        log.info("decode.aborting", reason="cancelled" if delivery.cancelled.is_set() else "client gone")
+        await engine.abort(request_id)
+    finally:
+        for wait in waits:
+            wait.cancel()
+
+
+async def run_canary(engine: Engine, request_id: str) -> None:
+    """A 1-token greedy request through the engine: the health check behind /ready."""
+    from schemas.sampling import SamplingOptions, StopConditions
+
+    request = GenerateRequest(request_id, CANARY.token_ids, SamplingOptions(temperature=0.0), StopConditions(max_tokens=1))
+    async for output in engine.generate(request):
+        if output.finished:
+            if output.finish_reason not in (FinishReason.LENGTH, FinishReason.STOP):
+                raise RuntimeError(f"canary finished with {output.finish_reason}: {output.error}")
+            return
+    raise RuntimeError("canary stream ended without a final output")

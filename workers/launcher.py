@@ -1,0 +1,124 @@
+"""`conveyor up`: an embedded NATS server (unless one is given) and one process per stage.
+
+Each stage is a `conveyor worker ...` child process, exactly what a user would start by hand on
+another machine. `up` waits until the registry shows the model ready, optionally asks one question
+through the bus, and on Ctrl-C (or after the question, with --exit) stops the workers with SIGTERM,
+so they drain and deregister, then stops the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from bus.registry import ready_models
+from bus.client import open_client
+from bus.settings import BusSettings, NatsSettings
+from schemas.registry import ServingMode, Stage
+from workers.client_commands import ask, explain, report
+from workers.smoke import nats_url_or_embedded, progress
+
+
+@dataclass(frozen=True, slots=True)
+class UpOptions:
+    model: str
+    engine: str
+    mode: ServingMode
+    decode_replicas: int = 1
+    ready_timeout_s: float = 300.0
+    question: str | None = None
+    exit_after_question: bool = False
+    max_tokens: int = 128
+    # The demo answer is greedy, so it is the model's best and the same every run.
+    temperature: float = 0.0
+    log_level: str = "WARNING"
+
+
+def stages_for(mode: ServingMode) -> list[Stage]:
+    return [Stage.PROCESSOR, Stage.PREFILL, Stage.DECODE] if mode == ServingMode.DISAGGREGATED else [
+        Stage.PROCESSOR, Stage.DECODE]
+
+
+async def run_up(nats: NatsSettings, bus: BusSettings, embedded: bool, options: UpOptions) -> int:
+    async with nats_url_or_embedded(nats, embedded) as nats:
+        workers = [_spawn(stage, nats, bus, options) for stage in stages_for(options.mode)
+                   for _ in range(options.decode_replicas if stage == Stage.DECODE else 1)]
+        try:
+            await _wait_ready(nats, bus, options, workers)
+            if options.question is not None:
+                try:
+                    result = await ask(nats, bus, options.model, options.question, options.max_tokens, options.temperature, 120.0)
+                    report(result)
+                except Exception as error:
+                    progress(explain(error))
+                    return 1
+            if options.exit_after_question:
+                return 0
+            progress("pipeline running; Ctrl-C stops it")
+            await _wait_for_signal_or_exit(workers)
+            return 0
+        finally:
+            await _stop(workers)
+
+
+def _spawn(stage: Stage, nats: NatsSettings, bus: BusSettings, options: UpOptions) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "workers.cli", "worker", stage.value, "--model", options.model,
+               "--engine", options.engine, "--mode", options.mode.value, "--log-level", options.log_level]
+    env = {**os.environ, "CONVEYOR_NATS_URLS": ",".join(nats.urls), "CONVEYOR_NAMESPACE": bus.namespace}
+    progress(f"starting {stage.value} worker ({options.engine} engine)")
+    return subprocess.Popen(command, env=env)
+
+
+async def _wait_ready(nats: NatsSettings, bus: BusSettings, options: UpOptions,
+                      workers: list[subprocess.Popen[bytes]]) -> None:
+    deadline = time.monotonic() + options.ready_timeout_s
+    last_said = ""
+    async with open_client(nats, bus, "conveyor-up") as client:
+        while time.monotonic() < deadline:
+            dead = [w for w in workers if w.poll() is not None]
+            if dead:
+                raise RuntimeError(f"a worker exited with code {dead[0].returncode} before the pipeline was ready")
+            cards = await client.live_workers()
+            if options.model in ready_models(cards):
+                progress(f"pipeline ready: {options.model} ({options.mode.value}), {len(cards)} workers")
+                return
+            said = ", ".join(sorted(f"{c.stage.value}{'' if c.ready else ' (starting)'}" for c in cards)) or "none yet"
+            if said != last_said:
+                progress(f"waiting for workers: {said}")
+                last_said = said
+            await asyncio.sleep(0.5)
+    raise TimeoutError(f"the pipeline was not ready within {options.ready_timeout_s:.0f} s")
+
+
+async def _wait_for_signal_or_exit(workers: list[subprocess.Popen[bytes]]) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    while not stop.is_set():
+        if any(w.poll() is not None for w in workers):
+            progress("a worker exited; stopping the pipeline")
+            return
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=1.0)
+        except TimeoutError:
+            continue
+
+
+async def _stop(workers: list[subprocess.Popen[bytes]], grace_s: float = 30.0) -> None:
+    for worker in workers:
+        if worker.poll() is None:
+            worker.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for worker in workers:
+        remaining = max(0.1, deadline - time.monotonic())
+        try:
+            await asyncio.to_thread(worker.wait, remaining)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+    progress("workers stopped")

@@ -1,0 +1,228 @@
+"""Processor stage: turn what users send into work for the engines.
+
+Consumes `ChatRequest` / `CompletionRequest` / `EmbeddingRequest` (OpenAI shapes, msgpack) from
+`{ns}.work.processor` — the subject any NATS client publishes to. For each it applies the model's
+chat template (chat), tokenizes (text prompts; token-id prompts skip both), validates, maps the
+OpenAI fields onto sampling options and stop conditions, and routes by the model's serving mode,
+read from the live worker cards: aggregated → `DecodeTask` on `{ns}.work.decode.{model}`,
+disaggregated → `PrefillTask` on `{ns}.work.prefill.{model}`, embeddings → `EmbedTask`.
+
+Emits to the client only errors; the stage that finishes the request streams the reply.
+
+Fails how (each an error frame to the inbox, then ack; the processor goes on serving):
+unknown model → `unknown_model`; empty input, or images for a text-only pipeline → `invalid_request`
+/ `unsupported`; prompt not shorter than the context → `context_length_exceeded`; no live worker for
+a stage the model's mode needs → `unknown_model` naming the missing stage. Out-of-range sampling
+values never reach here: the consumer answers them with `invalid_request` from the schema.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from bus.consumer import Delivery
+from bus.errors import RejectRequest
+from bus.metrics import QUEUE_SECONDS, REQUESTS
+from bus.registry import REQUIRED_STAGES
+from schemas.client import (
+    CLIENT_REQUEST,
+    ChatRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    GenerationRequest,
+    ResponseFormat,
+    TextPart,
+)
+from schemas.registry import ServingMode, Stage, WorkerCard
+from schemas.replies import ErrorCode
+from schemas.sampling import GuidedDecoding, OutputOptions, SamplingOptions, StopConditions
+from schemas.tasks import DecodeTask, EmbedTask, PrefillTask, PreprocessedRequest, TaskHeader
+from workers.runtime import StageContext
+
+log = structlog.get_logger(__name__)
+
+# How long the routing view of the registry may be stale.
+_REGISTRY_REFRESH_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    name: str
+    tokenizer: Any
+    context_length: int
+    eos_token_ids: tuple[int, ...]
+
+
+class ProcessorStage:
+    task_type = CLIENT_REQUEST
+
+    def __init__(self, models: dict[str, ServedModel]) -> None:
+        self._models = models
+        self._context: StageContext | None = None
+        self._cards: list[WorkerCard] = []
+        self._cards_at_s = 0.0
+
+    @property
+    def engine(self) -> None:
+        return None
+
+    @property
+    def consumes_model(self) -> None:
+        return None
+
+    async def start(self, context: StageContext) -> None:
+        self._context = context
+
+    async def stop(self) -> None:
+        return None
+
+    async def canary(self) -> None:
+        for model in self._models.values():
+            if not model.tokenizer.encode("canary"):
+                raise RuntimeError(f"tokenizer of {model.name} produced no tokens")
+
+    async def handle(self, request: ChatRequest | CompletionRequest | EmbeddingRequest, delivery: Delivery) -> None:
+        assert self._context is not None
+        QUEUE_SECONDS.labels(stage=Stage.PROCESSOR.value).observe(delivery.queued_s)
+        model = self._models.get(request.model)
+        if model is None:
+            raise RejectRequest(ErrorCode.UNKNOWN_MODEL,
+                                f"model {request.model!r} is not served here; served: {', '.join(sorted(self._models))}")
+        created_at_s = time.time() - delivery.queued_s
+        if isinstance(request, EmbeddingRequest):
+            await self._route_embedding(request, model, created_at_s, delivery)
+        else:
+            await self._route_generation(request, model, created_at_s, delivery)
+        REQUESTS.labels(stage=Stage.PROCESSOR.value, model=model.name, outcome="routed").inc()
+
+    async def _route_generation(self, request: ChatRequest | CompletionRequest, model: ServedModel,
+                                created_at_s: float, delivery: Delivery) -> None:
+        assert self._context is not None
+        token_ids = self._tokenize(request, model)
+        preprocessed = preprocess(request, token_ids, model)
+        header = TaskHeader(request_id=request.request_id, reply_to=request.reply_to,
+                            stream_format=request.stream_format, created_at_s=created_at_s)
+        mode = await self._mode_of(model.name)
+        task: DecodeTask | PrefillTask
+        if mode == ServingMode.DISAGGREGATED:
+            task, stage = PrefillTask(header=header, request=preprocessed), Stage.PREFILL
+        else:
+            task, stage = DecodeTask(header=header, request=preprocessed), Stage.DECODE
+        await self._context.publisher.publish(stage, task, request.request_id, delivery.trace, model=model.name)
+        log.info("processor.routed", to=stage.value, prompt_tokens=len(token_ids), mode=mode.value)
+
+    async def _route_embedding(self, request: EmbeddingRequest, model: ServedModel, created_at_s: float,
+                               delivery: Delivery) -> None:
+        assert self._context is not None
+        await self._require_stages(model.name, ServingMode.EMBEDDING)
+        token_lists = _embedding_inputs(request.input, model)
+        if not token_lists or not all(token_lists):
+            raise RejectRequest(ErrorCode.INVALID_REQUEST, "input is empty")
+        header = TaskHeader(request_id=request.request_id, reply_to=request.reply_to, created_at_s=created_at_s)
+        task = EmbedTask(header=header, model=model.name, inputs=token_lists, encoding_format=request.encoding_format,
+                         dimensions=request.dimensions)
+        await self._context.publisher.publish(Stage.EMBED, task, request.request_id, delivery.trace, model=model.name)
+
+    def _tokenize(self, request: ChatRequest | CompletionRequest, model: ServedModel) -> list[int]:
+        if isinstance(request, CompletionRequest):
+            if isinstance(request.prompt, list):
+                token_ids = list(request.prompt)  # already tokenized: no template, no tokenizer
+            else:
+                token_ids = list(model.tokenizer.encode(request.prompt))
+        else:
+            token_ids = self._apply_chat_template(request, model)
+        if not token_ids:
+            raise RejectRequest(ErrorCode.INVALID_REQUEST, "the prompt is empty")
+        if len(token_ids) >= model.context_length:
+            raise RejectRequest(
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                f"prompt of {len(token_ids)} tokens does not fit the context of {model.context_length} tokens",
+            )
+        return token_ids
+
+    def _apply_chat_template(self, request: ChatRequest, model: ServedModel) -> list[int]:
+        messages = []
+        for message in request.messages:
+            if isinstance(message.content, str):
+                text = message.content
+            else:
+                if any(not isinstance(part, TextPart) for part in message.content):
+                    raise RejectRequest(ErrorCode.UNSUPPORTED,
+                                        f"model {model.name} is served text-only: image and video parts need a multimodal pipeline")
+                text = "".join(part.text for part in message.content if isinstance(part, TextPart))
+            messages.append({"role": message.role, "content": text})
+        if not any(m["content"].strip() for m in messages):
+            raise RejectRequest(ErrorCode.INVALID_REQUEST, "every message is empty")
+        ids = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    async def _mode_of(self, model: str) -> ServingMode:
+        """Disaggregated when live prefill workers serve the model, else aggregated."""
+        cards = [card for card in await self._live_cards() if card.model == model]
+        mode = ServingMode.DISAGGREGATED if any(card.stage == Stage.PREFILL for card in cards) else ServingMode.AGGREGATED
+        await self._require_stages(model, mode)
+        return mode
+
+    async def _require_stages(self, model: str, mode: ServingMode) -> None:
+        ready = {card.stage for card in await self._live_cards() if card.model == model and card.ready}
+        missing = (REQUIRED_STAGES[mode] - {Stage.PROCESSOR}) - ready
+        if missing:
+            raise RejectRequest(
+                ErrorCode.UNKNOWN_MODEL,
+                f"no ready {', '.join(sorted(stage.value for stage in missing))} worker serves {model!r} "
+                f"({mode.value} mode); start one with `conveyor worker {sorted(missing)[0].value} --model {model}`",
+            )
+
+    async def _live_cards(self) -> list[WorkerCard]:
+        assert self._context is not None
+        if time.monotonic() - self._cards_at_s > _REGISTRY_REFRESH_S:
+            self._cards = await self._context.list_workers()
+            self._cards_at_s = time.monotonic()
+        return self._cards
+
+
+def preprocess(request: GenerationRequest, token_ids: list[int], model: ServedModel) -> PreprocessedRequest:
+    """OpenAI-shaped options onto the engine's sampling options and stop conditions."""
+    room = model.context_length - len(token_ids)
+    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    return PreprocessedRequest(
+        model=model.name,
+        token_ids=token_ids,
+        sampling=SamplingOptions(
+            temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
+            frequency_penalty=request.frequency_penalty, presence_penalty=request.presence_penalty,
+            repetition_penalty=request.repetition_penalty, seed=request.seed, n=request.n,
+        ),
+        stop=StopConditions(
+            # Unset means "until the context is full", like OpenAI; a larger ask is clamped to fit.
+            max_tokens=min(request.max_tokens or room, room), min_tokens=min(request.min_tokens, room), stop=stop,
+            stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
+        ),
+        output=OutputOptions(logprobs=request.logprobs, top_logprobs=request.top_logprobs),
+        guided=_guided(request.response_format),
+        eos_token_ids=list(model.eos_token_ids),
+        priority=request.priority,
+    )
+
+
+def _embedding_inputs(raw: str | list[str] | list[int] | list[list[int]], model: ServedModel) -> list[list[int]]:
+    """OpenAI's four input shapes: a text, texts, one tokenized input, tokenized inputs."""
+    if isinstance(raw, str):
+        return [list(model.tokenizer.encode(raw))]
+    if raw and all(isinstance(item, int) for item in raw):
+        return [list(raw)]  # type: ignore[arg-type]
+    return [list(model.tokenizer.encode(item)) if isinstance(item, str) else list(item) for item in raw]  # type: ignore[arg-type]
+
+
+def _guided(response_format: ResponseFormat | None) -> GuidedDecoding | None:
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_schema" and response_format.json_schema:
+        # OpenAI nests the schema: {"name": ..., "schema": {...}}; accept the bare schema too.
+        schema = response_format.json_schema.get("schema", response_format.json_schema)
+        return GuidedDecoding(json_schema=schema)
+    return GuidedDecoding(json_schema={"type": "object"})

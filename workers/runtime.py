@@ -1,0 +1,347 @@
+"""What every stage process shares: connect, declare, load, warm up, serve, register, shut down.
+
+A stage (processor, prefill, decode) supplies a `PipelineStage`: the task type it consumes, a typed handler,
+and how to start, check (canary) and stop its engine. `WorkerRuntime` does the rest, in this order:
+
+1. connect to NATS and declare the streams and bucket (idempotent; any worker may be first);
+2. start the stage (load the engine or tokenizer), run its canary, bind the shared consumer;
+3. serve `/metrics`, `/live`, `/ready` (and engine control) on the HTTP port, register the worker
+   card with a heartbeat, relay the engine's KV events, refresh load gauges;
+4. on SIGTERM / SIGINT: mark the card not ready, stop pulling, give in-flight work `shutdown_grace_s`
+   to finish and hand the rest back (nak), remove the card, drain the connection, return.
+
+Engine control (Dynamo's `/engine/*` routes) keeps Dynamo's order: releasing memory first takes the
+worker out of the registry and pauses pulling; resuming reverses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import structlog
+from aiohttp import web
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from bus.cancel import CancelRegistry
+from bus.connection import connect
+from bus.consumer import ConsumerOptions, Delivery, WorkConsumer
+from bus.kv_events import KvEventPublisher
+from bus.metrics import CACHE_HIT_RATE, ENGINE_RUNNING, ENGINE_WAITING, KV_EVENT_BATCHES, KV_USAGE, WORKER_READY
+from bus.publish import TaskPublisher
+from bus.registry import Registration, live_workers
+from bus.settings import BusSettings, NatsSettings
+from bus.streams import declare_all
+from bus.subjects import Names
+from schemas.codec import WIRE_VERSION
+from schemas.registry import BootstrapEndpoint, KvCapacity, ServingMode, Stage, WorkerCard
+from workers.engines.protocol import Engine, MemoryTag
+from workers.http import HealthServer
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerOptions:
+    stage: Stage
+    model: str
+    mode: ServingMode
+    engine_name: str
+    http_host: str = "0.0.0.0"
+    # 0 picks a free port (printed at start and written in the worker card).
+    http_port: int = 0
+    max_concurrency: int = 32
+    shutdown_grace_s: float = 30.0
+    # How often the canary re-checks the engine while the worker runs.
+    canary_interval_s: float = 30.0
+    coalesce_window_s: float = 0.0
+    worker_id: str = field(default_factory=lambda: f"{socket.gethostname()[:24]}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+
+    def __post_init__(self) -> None:
+        # Worker ids become subject tokens and KV keys.
+        object.__setattr__(self, "worker_id", "".join(c if c.isalnum() or c in "-_" else "-" for c in self.worker_id))
+
+
+@dataclass(frozen=True, slots=True)
+class StageContext:
+    """What a stage may use of the bus: publishing the next stage's task, and the registry."""
+
+    names: Names
+    settings: BusSettings
+    publisher: TaskPublisher
+    list_workers: Callable[[], Awaitable[list[WorkerCard]]]
+    worker_id: str
+
+
+class PipelineStage(Protocol):
+    """A stage of the pipeline, as the runtime drives it."""
+
+    @property
+    def task_type(self) -> TypeAdapter[Any] | type[Any]: ...
+
+    @property
+    def engine(self) -> Engine | None:
+        """The engine whose KV events, load and control routes the runtime exposes (None: none)."""
+
+    @property
+    def consumes_model(self) -> str | None:
+        """The model whose work subject this stage pulls from (None: the shared processor subject)."""
+
+    async def start(self, context: StageContext) -> None: ...
+
+    async def handle(self, task: Any, delivery: Delivery) -> None: ...
+
+    async def canary(self) -> None:
+        """A minimal request through the stage's own engine; raises when it fails."""
+
+    async def stop(self) -> None: ...
+
+
+class ReleaseMemoryBody(BaseModel):
+    tags: list[MemoryTag] = [MemoryTag.KV_CACHE, MemoryTag.WEIGHTS]
+
+
+class ProfileBody(BaseModel):
+    output_dir: Path = Path("profiles")
+
+
+class UpdateWeightsBody(BaseModel):
+    model_path: Path
+
+
+class WorkerRuntime:
+    def __init__(self, stage: PipelineStage, options: WorkerOptions, nats: NatsSettings, bus: BusSettings) -> None:
+        self._stage = stage
+        self.options = options
+        self._nats = nats
+        self._bus = bus
+        self._names = Names(bus.namespace)
+        self._stopping = asyncio.Event()
+        self._not_ready_reason: str | None = "starting"
+        self._consumer: WorkConsumer[Any] | None = None
+        self._registration: Registration | None = None
+        self._health: HealthServer | None = None
+        self._background: list[asyncio.Task[None]] = []
+        self.started = asyncio.Event()
+
+    @property
+    def ready(self) -> bool:
+        return self._not_ready_reason is None
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    async def run(self) -> None:
+        """Serve until `request_stop()` or a signal, then shut down cleanly."""
+        stage_value = self.options.stage.value
+        structlog.contextvars.bind_contextvars(stage=stage_value, worker_id=self.options.worker_id)
+        nc = await connect(self._nats, name=f"conveyor-{stage_value}-{self.options.worker_id}")
+        js = nc.jetstream()
+        bucket = await declare_all(js, self._names, self._bus, nc.max_payload)
+        cancels = CancelRegistry(nc, js, self._names, self._bus.cancel_ttl_s)
+        await cancels.start()
+        self._install_signal_handlers()
+        try:
+            self._health = HealthServer(self.options.http_host, self.options.http_port, self._readiness,
+                                        extra_routes=self._control_routes())
+            await self._health.start()
+            context = StageContext(
+                names=self._names, settings=self._bus,
+                publisher=TaskPublisher(js, self._names, min(self._bus.max_message_bytes, nc.max_payload)),
+                list_workers=lambda: live_workers(bucket), worker_id=self.options.worker_id,
+            )
+            log.info("worker.starting", model=self.options.model, mode=self.options.mode.value)
+            await self._stage.start(context)
+            self._consumer = WorkConsumer(
+                nc, js, self._names, self._bus, self.options.stage, self._stage.task_type, self._stage.handle,
+                cancels, worker_id=self.options.worker_id, model=self._stage.consumes_model,
+                options=ConsumerOptions(max_concurrency=self.options.max_concurrency,
+                                        coalesce_window_s=self.options.coalesce_window_s),
+            )
+            await self._stage.canary()
+            await self._consumer.bind()
+            self._registration = Registration(bucket, self._card(ready=True), self._bus.registry_ttl_s)
+            await self._registration.open()
+            self._set_ready(None)
+            self._start_background(js)
+            consumer_loop = asyncio.create_task(self._consumer.run(), name="consumer")
+            log.info("worker.ready", http=self._health.url, consumer=self._names.work_consumer(
+                self.options.stage, self._stage.consumes_model))
+            self.started.set()
+            stop_requested = asyncio.create_task(self._stopping.wait())
+            await asyncio.wait([stop_requested, consumer_loop], return_when=asyncio.FIRST_COMPLETED)
+            stop_requested.cancel()
+            await self._shutdown(consumer_loop)
+        finally:
+            for task in self._background:
+                task.cancel()
+            await asyncio.gather(*self._background, return_exceptions=True)
+            await self._stage.stop()
+            await cancels.stop()
+            if self._health is not None:
+                await self._health.stop()
+            await nc.drain()
+            log.info("worker.stopped")
+
+    async def _shutdown(self, consumer_loop: asyncio.Task[None]) -> None:
+        assert self._consumer is not None and self._registration is not None
+        log.info("worker.draining", in_flight=self._consumer.in_flight, grace_s=self.options.shutdown_grace_s)
+        self._set_ready("shutting down")
+        await self._registration.update(self._card(ready=False))
+        await self._consumer.stop(grace_s=self.options.shutdown_grace_s)
+        await consumer_loop
+        await self._registration.close()
+
+    def _install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(signum, self.request_stop)
+            except (NotImplementedError, RuntimeError):
+                pass  # not the main thread (tests run workers as tasks)
+
+    def _set_ready(self, reason: str | None) -> None:
+        self._not_ready_reason = reason
+        WORKER_READY.labels(stage=self.options.stage.value).set(1 if reason is None else 0)
+
+    def _readiness(self) -> str | None:
+        if self._consumer is not None and not self._consumer.bound:
+            return "consumer not bound"
+        return self._not_ready_reason
+
+    def _card(self, ready: bool) -> WorkerCard:
+        engine = self._stage.engine
+        bootstrap: BootstrapEndpoint | None = engine.bootstrap_endpoint if engine is not None else None
+        kv: KvCapacity | None = None
+        context_length: int | None = None
+        if engine is not None:
+            load = engine.load()
+            kv = KvCapacity(block_size=load.kv_block_size, total_blocks=load.kv_total_blocks, used_blocks=load.kv_used_blocks)
+            context_length = engine.info.context_length or None
+        metrics_url = f"http://{_advertised_host(self.options.http_host)}:{self._health.port}/metrics" if self._health else None
+        return WorkerCard(
+            worker_id=self.options.worker_id, stage=self.options.stage, model=self.options.model,
+            mode=self.options.mode, engine=self.options.engine_name, host=socket.gethostname(), pid=os.getpid(),
+            started_at_s=time.time(), metrics_url=metrics_url, bootstrap=bootstrap, kv=kv,
+            context_length=context_length, ready=ready, wire_version=WIRE_VERSION,
+        )
+
+    def _start_background(self, js: Any) -> None:
+        engine = self._stage.engine
+        self._background.append(asyncio.create_task(self._refresh_loop(), name="refresh"))
+        if engine is not None:
+            publisher = KvEventPublisher(js, self._names, self.options.worker_id)
+            self._background.append(asyncio.create_task(self._relay_kv_events(engine, publisher), name="kv-events"))
+            self._background.append(asyncio.create_task(self._canary_loop(), name="canary"))
+
+    async def _relay_kv_events(self, engine: Engine, publisher: KvEventPublisher) -> None:
+        async for batch in engine.kv_events():
+            try:
+                await publisher.publish(batch.events, ts=batch.ts, data_parallel_rank=batch.data_parallel_rank)
+                KV_EVENT_BATCHES.labels(stage=self.options.stage.value).inc()
+            except Exception as error:  # NATS away: the batch number is kept, readers see no gap
+                log.warning("kv_events.publish_failed", error=repr(error))
+
+    async def _refresh_loop(self) -> None:
+        """Load gauges and the card's KV usage, a few times per registry TTL."""
+        labels = {"stage": self.options.stage.value, "model": self.options.model}
+        while True:
+            await asyncio.sleep(self._bus.registry_ttl_s / 3)
+            engine = self._stage.engine
+            if engine is not None:
+                load = engine.load()
+                ENGINE_RUNNING.labels(**labels).set(load.running_requests)
+                ENGINE_WAITING.labels(**labels).set(load.waiting_requests)
+                KV_USAGE.labels(**labels).set(load.kv_usage)
+                CACHE_HIT_RATE.labels(**labels).set(load.cache_hit_rate)
+            if self._registration is not None and self._not_ready_reason in (None, "canary failed"):
+                await self._registration.update(self._card(ready=self.ready))
+
+    async def _canary_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.canary_interval_s)
+            if self._not_ready_reason not in (None, "canary failed"):
+                continue  # paused or stopping: not the canary's business
+            try:
+                await asyncio.wait_for(self._stage.canary(), timeout=60)
+                self._set_ready(None)
+            except Exception as error:
+                log.error("worker.canary_failed", error=repr(error))
+                self._set_ready("canary failed")
+
+    # ----- engine control ----------------------------------------------------------------------
+
+    def _control_routes(self) -> list[web.RouteDef]:
+        if self._stage.engine is None:
+            return []
+        return [
+            web.post("/engine/release_memory_occupation", self._release_memory),
+            web.post("/engine/resume_memory_occupation", self._resume_memory),
+            web.post("/engine/start_profile", self._start_profile),
+            web.post("/engine/stop_profile", self._stop_profile),
+            web.post("/engine/update_weights_from_disk", self._update_weights),
+            web.post("/engine/flush_cache", self._flush_cache),
+        ]
+
+    async def _release_memory(self, request: web.Request) -> web.Response:
+        body = await _body(request, ReleaseMemoryBody)
+        assert self._consumer is not None and self._registration is not None
+        # Dynamo's order: leave the registry, stop taking work, then free the memory.
+        self._set_ready("memory released")
+        await self._registration.update(self._card(ready=False))
+        self._consumer.pause()
+        return await _control(lambda: self._stage.engine.release_memory(body.tags))  # type: ignore[union-attr]
+
+    async def _resume_memory(self, request: web.Request) -> web.Response:
+        body = await _body(request, ReleaseMemoryBody)
+        assert self._consumer is not None and self._registration is not None
+
+        async def resume() -> None:
+            await self._stage.engine.resume_memory(body.tags)  # type: ignore[union-attr]
+            self._consumer.resume()  # type: ignore[union-attr]
+            self._set_ready(None)
+            await self._registration.update(self._card(ready=True))  # type: ignore[union-attr]
+
+        return await _control(resume)
+
+    async def _start_profile(self, request: web.Request) -> web.Response:
+        body = await _body(request, ProfileBody)
+        return await _control(lambda: self._stage.engine.start_profile(body.output_dir))  # type: ignore[union-attr]
+
+    async def _stop_profile(self, request: web.Request) -> web.Response:
+        return await _control(lambda: self._stage.engine.stop_profile())  # type: ignore[union-attr]
+
+    async def _update_weights(self, request: web.Request) -> web.Response:
+        body = await _body(request, UpdateWeightsBody)
+        return await _control(lambda: self._stage.engine.update_weights_from_disk(body.model_path))  # type: ignore[union-attr]
+
+    async def _flush_cache(self, request: web.Request) -> web.Response:
+        return await _control(lambda: self._stage.engine.flush_cache())  # type: ignore[union-attr]
+
+
+async def _body(request: web.Request, model: type[BaseModel]) -> Any:
+    try:
+        raw = await request.json() if request.can_read_body else {}
+        return model.model_validate(raw)
+    except (ValueError, ValidationError) as error:
+        raise web.HTTPBadRequest(text=str(error)) from error
+
+
+async def _control(action: Callable[[], Awaitable[None]]) -> web.Response:
+    try:
+        await action()
+    except Exception as error:
+        return web.json_response({"success": False, "message": str(error)}, status=409)
+    return web.json_response({"success": True})
+
+
+def _advertised_host(bind_host: str) -> str:
+    return socket.gethostname() if bind_host in ("0.0.0.0", "::") else bind_host
