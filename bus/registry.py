@@ -9,6 +9,7 @@ from nats.js.errors import KeyNotFoundError, NoKeysError
 from nats.js.kv import KeyValue
 from pydantic import ValidationError
 
+from bus.lifecycle import sleep_unless, stop_tasks
 from schemas.codec import decode, encode
 from schemas.registry import ServingMode, Stage, WorkerCard
 
@@ -32,6 +33,7 @@ class Registration:
         self.card = card
         self._refresh_s = ttl_s / 3
         self._task: asyncio.Task[None] | None = None
+        self._closing = asyncio.Event()
 
     async def open(self) -> None:
         await self._write()
@@ -42,9 +44,9 @@ class Registration:
         await self._write()
 
     async def close(self) -> None:
+        self._closing.set()
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await stop_tasks([self._task])
             self._task = None
         await self._bucket.delete(self.card.worker_id)
 
@@ -52,8 +54,7 @@ class Registration:
         await self._bucket.put(self.card.worker_id, encode(self.card))
 
     async def _refresh_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._refresh_s)
+        while not await sleep_unless(self._closing, self._refresh_s):
             try:
                 await self._write()
             except Exception as error:  # NATS briefly away: the next beat tries again

@@ -29,6 +29,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from bus.errors import RemoteError, ReplyGap, ReplyStreamBroken
+from bus.lifecycle import sleep_unless
 from bus.metrics import CLIENTS_GONE, REPLY_FRAMES
 from schemas.codec import decode_as, encode
 from schemas.replies import (
@@ -88,6 +89,7 @@ class ReplySender:
         self._flush_task: asyncio.Task[None] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
         self.client_gone = asyncio.Event()
+        self._background_stopped = asyncio.Event()
 
     @property
     def closed(self) -> bool:
@@ -158,8 +160,7 @@ class ReplySender:
         return True
 
     async def _heartbeat_loop(self) -> None:
-        while not self._closed:
-            await asyncio.sleep(self._heartbeat_interval_s)
+        while not await sleep_unless(self._background_stopped, self._heartbeat_interval_s):
             if self._closed:
                 return
             if time.monotonic() - self._last_sent_s >= self._heartbeat_interval_s:
@@ -213,6 +214,7 @@ class ReplySender:
         _FRAMES_SENT[frame_type.model_fields["kind"].default].inc()
 
     async def _stop_background(self) -> None:
+        self._background_stopped.set()
         current = asyncio.current_task()
         for task in (self._heartbeat_task, self._flush_task):
             if task is not None and task is not current and not task.done():

@@ -35,6 +35,7 @@ from bus.cancel import CancelRegistry
 from bus.connection import connect
 from bus.consumer import ConsumerOptions, Delivery, WorkConsumer
 from bus.kv_events import KvEventPublisher
+from bus.lifecycle import sleep_unless, stop_tasks
 from bus.metrics import CACHE_HIT_RATE, ENGINE_RUNNING, ENGINE_WAITING, KV_EVENT_BATCHES, KV_USAGE, WORKER_READY
 from bus.publish import TaskPublisher
 from bus.registry import Registration, live_workers
@@ -63,6 +64,8 @@ class WorkerOptions:
     # How often the canary re-checks the engine while the worker runs.
     canary_interval_s: float = 30.0
     coalesce_window_s: float = 0.0
+    # Stop on SIGTERM / SIGINT (off when workers run inside another program, e.g. tests).
+    handle_signals: bool = True
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()[:24]}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
 
     def __post_init__(self) -> None:
@@ -148,7 +151,8 @@ class WorkerRuntime:
         bucket = await declare_all(js, self._names, self._bus, nc.max_payload)
         cancels = CancelRegistry(nc, js, self._names, self._bus.cancel_ttl_s)
         await cancels.start()
-        self._install_signal_handlers()
+        if self.options.handle_signals:
+            self._install_signal_handlers()
         try:
             self._health = HealthServer(self.options.http_host, self.options.http_port, self._readiness,
                                         extra_routes=self._control_routes())
@@ -181,9 +185,8 @@ class WorkerRuntime:
             stop_requested.cancel()
             await self._shutdown(consumer_loop)
         finally:
-            for task in self._background:
-                task.cancel()
-            await asyncio.gather(*self._background, return_exceptions=True)
+            self._stopping.set()
+            await stop_tasks(self._background)
             await self._stage.stop()
             await cancels.stop()
             if self._health is not None:
@@ -244,6 +247,8 @@ class WorkerRuntime:
 
     async def _relay_kv_events(self, engine: Engine, publisher: KvEventPublisher) -> None:
         async for batch in engine.kv_events():
+            if self._stopping.is_set():
+                return
             try:
                 await publisher.publish(batch.events, ts=batch.ts, data_parallel_rank=batch.data_parallel_rank)
                 KV_EVENT_BATCHES.labels(stage=self.options.stage.value).inc()
@@ -253,8 +258,7 @@ class WorkerRuntime:
     async def _refresh_loop(self) -> None:
         """Load gauges and the card's KV usage, a few times per registry TTL."""
         labels = {"stage": self.options.stage.value, "model": self.options.model}
-        while True:
-            await asyncio.sleep(self._bus.registry_ttl_s / 3)
+        while not await sleep_unless(self._stopping, self._bus.registry_ttl_s / 3):
             engine = self._stage.engine
             if engine is not None:
                 load = engine.load()
@@ -263,11 +267,13 @@ class WorkerRuntime:
                 KV_USAGE.labels(**labels).set(load.kv_usage)
                 CACHE_HIT_RATE.labels(**labels).set(load.cache_hit_rate)
             if self._registration is not None and self._not_ready_reason in (None, "canary failed"):
-                await self._registration.update(self._card(ready=self.ready))
+                try:
+                    await self._registration.update(self._card(ready=self.ready))
+                except Exception as error:  # NATS briefly away: the next round tries again
+                    log.warning("registry.update_failed", error=repr(error))
 
     async def _canary_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.options.canary_interval_s)
+        while not await sleep_unless(self._stopping, self.options.canary_interval_s):
             if self._not_ready_reason not in (None, "canary failed"):
                 continue  # paused or stopping: not the canary's business
             try:

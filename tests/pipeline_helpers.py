@@ -1,0 +1,92 @@
+"""Running real stage workers inside the test process, against the test's NATS namespace."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from bus.client import PipelineClient
+from schemas.client import ChatMessage, ChatRequest, CompletionRequest, StreamFormat
+from schemas.registry import ServingMode, Stage
+from workers.decode import DecodeStage
+from workers.engines.factory import EngineKind
+from workers.engines.mock import MockEngine, MockEngineConfig
+from workers.engines.protocol import GenerateOutput, GenerateRequest
+from workers.processor import ProcessorStage
+from workers.runtime import PipelineStage, WorkerOptions, WorkerRuntime
+from workers.stages import served_model
+from tests.conftest import Bus
+
+MOCK = "mock"
+
+
+class RecordingMockEngine(MockEngine):
+    """A mock engine that remembers which requests reached it."""
+
+    def __init__(self, config: MockEngineConfig = MockEngineConfig()) -> None:
+        super().__init__(config)
+        self.seen: list[str] = []
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:  # type: ignore[override]
+        if not request.request_id.startswith("canary"):
+            self.seen.append(request.request_id)
+        async for output in super().generate(request):
+            yield output
+
+
+@dataclass
+class Worker:
+    runtime: WorkerRuntime
+    stage: PipelineStage
+    task: asyncio.Task[None] = field(repr=False)
+
+
+@asynccontextmanager
+async def running_workers(bus: Bus, specs: Sequence[tuple[Stage, PipelineStage]], model: str = MOCK,
+                          mode: ServingMode = ServingMode.AGGREGATED, grace_s: float = 5.0,
+                          max_concurrency: int = 32) -> AsyncIterator[list[Worker]]:
+    workers: list[Worker] = []
+    try:
+        for stage_kind, stage in specs:
+            options = WorkerOptions(stage=stage_kind, model=model, mode=mode, engine_name="test",
+                                    http_host="127.0.0.1", shutdown_grace_s=grace_s, max_concurrency=max_concurrency,
+                                    canary_interval_s=3600, handle_signals=False)
+            runtime = WorkerRuntime(stage, options, bus.nats_settings, bus.settings)
+            task = asyncio.create_task(runtime.run())
+            started = asyncio.create_task(runtime.started.wait())
+            await asyncio.wait([task, started], timeout=120, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                task.result()  # raise the startup error
+            assert runtime.started.is_set(), f"{stage_kind.value} worker did not start"
+            workers.append(Worker(runtime, stage, task))
+        yield workers
+    finally:
+        for worker in reversed(workers):
+            worker.runtime.request_stop()
+        await asyncio.gather(*(w.task for w in workers), return_exceptions=True)
+
+
+def mock_processor() -> ProcessorStage:
+    return ProcessorStage({MOCK: served_model(EngineKind.MOCK, MOCK)})
+
+
+def mock_decode(**config: float | int) -> DecodeStage:
+    return DecodeStage(RecordingMockEngine(MockEngineConfig(**config)), MOCK)  # type: ignore[arg-type]
+
+
+def client_of(bus: Bus) -> PipelineClient:
+    return PipelineClient(bus.nc, bus.js, bus.names, bus.settings)
+
+
+def chat(client: PipelineClient, text: str, model: str = MOCK, **fields: object) -> ChatRequest:
+    return ChatRequest(request_id=f"req-{uuid.uuid4().hex[:12]}", reply_to=client.new_inbox(), model=model,
+                       messages=[ChatMessage(role="user", content=text)], stream_format=StreamFormat.TEXT,
+                       **fields)  # type: ignore[arg-type]
+
+
+def completion(client: PipelineClient, prompt: str | list[int], model: str = MOCK, **fields: object) -> CompletionRequest:
+    return CompletionRequest(request_id=f"req-{uuid.uuid4().hex[:12]}", reply_to=client.new_inbox(), model=model,
+                             prompt=prompt, **fields)  # type: ignore[arg-type]

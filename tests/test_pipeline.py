@@ -1,0 +1,228 @@
+"""The text pipeline end to end: real nats-server, real stage workers, mock engine where timing
+matters and the torch engine where output must be real."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgpack
+import pytest
+from nats.js.api import AckPolicy, ConsumerConfig
+
+from bus.errors import RemoteError
+from bus.registry import live_workers, ready_models
+from schemas.client import ChatMessage, ImagePart, MediaUrl
+from schemas.codec import decode
+from schemas.kv_events import BlockStored, KvEventBatch
+from schemas.registry import ServingMode, Stage
+from schemas.replies import ErrorCode, FinalFrame, FinishReason
+from workers.engines.kv_hashing import chain_hashes
+from tests.conftest import Bus
+from tests.helpers import open_stream, wait_until
+from tests.pipeline_helpers import (
+    MOCK,
+    RecordingMockEngine,
+    chat,
+    client_of,
+    completion,
+    mock_decode,
+    mock_processor,
+    running_workers,
+)
+
+
+async def test_chat_request_streams_text_and_ends_with_usage(bus: Bus) -> None:
+    async with running_workers(bus, [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, mock_decode(inter_token_s=0.001))]):
+        client = client_of(bus)
+        request = chat(client, "hello", max_tokens=5)
+        async with await client.submit(request) as stream:
+            chunks, final = await stream.collect()
+    assert isinstance(final, FinalFrame) and final.finish_reason == FinishReason.LENGTH
+    assert sum(len(c.token_ids) for c in chunks) == 5 and all(c.text for c in chunks)
+    assert final.usage.completion_tokens == 5 and final.usage.total_tokens == final.usage.prompt_tokens + 5
+
+
+async def expect_error(bus: Bus, request: object) -> RemoteError:
+    client = client_of(bus)
+    async with await client.submit(request, first_frame_timeout_s=10) as stream:  # type: ignore[arg-type]
+        with pytest.raises(RemoteError) as raised:
+            await stream.collect()
+    return raised.value
+
+
+async def test_every_bad_input_gets_its_error_frame_and_the_pipeline_keeps_serving(bus: Bus) -> None:
+    async with running_workers(bus, [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, mock_decode(inter_token_s=0.001))]):
+        client = client_of(bus)
+        assert (await expect_error(bus, chat(client, "hi", model="no-such-model"))).code == ErrorCode.UNKNOWN_MODEL
+        assert (await expect_error(bus, completion(client, ""))).code == ErrorCode.INVALID_REQUEST
+        assert (await expect_error(bus, chat(client, "   "))).code == ErrorCode.INVALID_REQUEST
+        too_long = await expect_error(bus, completion(client, list(range(3, 9000))))
+        assert too_long.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED and "8192" in too_long.frame.message
+        image = chat(client, "x").model_copy(update={"messages": [
+            ChatMessage(role="user", content=[ImagePart(image_url=MediaUrl(url="http://x/cat.png"))])]})
+        assert (await expect_error(bus, image)).code == ErrorCode.UNSUPPORTED
+        # Out-of-range sampling values, as a client in another language might send them.
+        raw = chat(client, "hi").model_dump(mode="python", exclude_none=True) | {"temperature": -3}
+        bad_stream = await open_stream(bus, raw["request_id"])
+        raw["reply_to"] = bad_stream.inbox
+        await bus.js.publish(bus.names.work_subject(Stage.PROCESSOR), msgpack.packb(raw))
+        with pytest.raises(RemoteError) as raised:
+            await bad_stream.collect()
+        assert raised.value.code == ErrorCode.INVALID_REQUEST and "temperature" in raised.value.frame.message
+        async with await client.submit(chat(client, "still there?", max_tokens=3)) as stream:
+            _, final = await stream.collect()
+        assert isinstance(final, FinalFrame) and final.finish_reason == FinishReason.LENGTH
+
+
+async def test_request_with_no_worker_for_its_stage_is_refused_at_once(bus: Bus) -> None:
+    async with running_workers(bus, [(Stage.PROCESSOR, mock_processor())]):
+        error = await expect_error(bus, chat(client_of(bus), "hi"))
+    assert error.code == ErrorCode.UNKNOWN_MODEL and "no ready decode worker" in error.frame.message
+
+
+async def test_cancel_during_decode_reaches_the_client_fast_and_frees_the_engine(bus: Bus) -> None:
+    decode = mock_decode(inter_token_s=0.05)
+    async with running_workers(bus, [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, decode)]):
+        client = client_of(bus)
+        request = chat(client, "tell me everything", max_tokens=1000)
+        async with await client.submit(request) as stream:
+            chunks = stream.__aiter__()
+            await chunks.__anext__()
+            sent_at = time.monotonic()
+            await client.cancel(request.request_id)
+            async for _ in chunks:
+                pass
+            latency_s = time.monotonic() - sent_at
+        assert isinstance(stream.terminal, FinalFrame) and stream.terminal.finish_reason == FinishReason.CANCELLED
+        assert latency_s < 0.1
+        engine = decode.engine
+        await wait_until(lambda: engine.load().kv_used_blocks == 0 and engine.load().running_requests == 0)
+
+
+async def test_cancel_of_a_request_queued_before_the_processor_drops_it(bus: Bus) -> None:
+    decode = mock_decode(inter_token_s=0.001)
+    client = client_of(bus)
+    request = chat(client, "never mind")
+    async with running_workers(bus, [(Stage.DECODE, decode)]):
+        stream = await client.submit(request)
+        await client.cancel(request.request_id)
+        async with running_workers(bus, [(Stage.PROCESSOR, mock_processor())]):
+            async with stream:
+                chunks, final = await stream.collect()
+    assert chunks == [] and isinstance(final, FinalFrame) and final.finish_reason == FinishReason.CANCELLED
+    assert decode.engine.seen == []
+
+
+async def test_cancel_of_a_request_queued_before_decode_drops_it_when_pulled(bus: Bus) -> None:
+    decode = mock_decode(inter_token_s=0.02)
+    async with running_workers(bus, [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, decode)], max_concurrency=1):
+        client = client_of(bus)
+        busy, queued = chat(client, "first", max_tokens=1000), chat(client, "second", max_tokens=5)
+        busy_stream = await client.submit(busy)
+        await busy_stream.__aiter__().__anext__()  # the only decode slot is taken
+        queued_stream = await client.submit(queued)
+        await asyncio.sleep(0.2)  # routed by the processor, waiting in the decode queue
+        await client.cancel(queued.request_id)
+        await client.cancel(busy.request_id)  # frees the slot: the queued task is pulled and dropped
+        sent_at = time.monotonic()
+        async with queued_stream:
+            chunks, final = await queued_stream.collect()
+        assert chunks == [] and isinstance(final, FinalFrame) and final.finish_reason == FinishReason.CANCELLED
+        assert time.monotonic() - sent_at < 0.5
+        assert queued.request_id not in decode.engine.seen
+        await busy_stream.close()
+
+
+async def test_two_replicas_of_each_stage_share_the_work(bus: Bus) -> None:
+    first, second = mock_decode(inter_token_s=0.01), mock_decode(inter_token_s=0.01)
+    specs = [(Stage.PROCESSOR, mock_processor()), (Stage.PROCESSOR, mock_processor()), (Stage.DECODE, first),
+             (Stage.DECODE, second)]
+    async with running_workers(bus, specs, max_concurrency=2):
+        client = client_of(bus)
+        requests = [chat(client, f"question {i}", max_tokens=5) for i in range(16)]
+        streams = [await client.submit(request) for request in requests]
+        finals = []
+        for stream in streams:
+            async with stream:
+                finals.append((await stream.collect())[1])
+    assert all(isinstance(f, FinalFrame) and f.finish_reason == FinishReason.LENGTH for f in finals)
+    assert first.engine.seen and second.engine.seen
+    assert sorted(first.engine.seen + second.engine.seen) == sorted(r.request_id for r in requests)
+
+
+async def test_kv_events_of_a_request_name_the_blocks_the_engine_stored(bus: Bus) -> None:
+    async with running_workers(bus, [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, mock_decode(inter_token_s=0.001))]) as workers:
+        client = client_of(bus)
+        prompt = list(range(100, 164))  # four full blocks
+        async with await client.submit(completion(client, prompt, max_tokens=2)) as stream:
+            await stream.collect()
+        decode_worker_id = workers[1].runtime.options.worker_id
+        subscription = await bus.js.pull_subscribe(bus.names.kv_events_subject(decode_worker_id),
+                                                   stream=bus.names.kv_events_stream,
+                                                   config=ConsumerConfig(ack_policy=AckPolicy.NONE))
+        batches = [decode(m.data, KvEventBatch) for m in await subscription.fetch(batch=10, timeout=2)]
+    stored = [h for b in batches for e in b.events if isinstance(e, BlockStored) for h in e.block_hashes]
+    assert stored == chain_hashes(prompt, 16)
+    assert [b.seq for b in batches] == list(range(len(batches)))
+
+
+async def test_registry_lists_ready_workers_and_forgets_them_on_shutdown(bus: Bus) -> None:
+    async with running_workers(bus, [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, mock_decode())]) as workers:
+        cards = await live_workers(bus.registry)
+        assert {c.stage for c in cards} == {Stage.PROCESSOR, Stage.DECODE} and all(c.ready for c in cards)
+        assert ready_models(cards) == {MOCK: ServingMode.AGGREGATED}
+        decode_card = next(c for c in cards if c.stage == Stage.DECODE)
+        assert decode_card.kv is not None and decode_card.metrics_url
+        import aiohttp
+
+        async with aiohttp.ClientSession() as session:
+            async with session.get(decode_card.metrics_url.replace("/metrics", "/ready")) as ready:
+                assert ready.status == 200
+        del workers
+    assert await live_workers(bus.registry) == []
+
+
+async def test_sigterm_lets_in_flight_work_finish_before_exiting(bus: Bus) -> None:
+    async with running_workers(bus, [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, mock_decode(inter_token_s=0.02))],
+                               grace_s=10) as workers:
+        client = client_of(bus)
+        async with await client.submit(chat(client, "finish me", max_tokens=40)) as stream:
+            chunks = stream.__aiter__()
+            await chunks.__anext__()
+            workers[1].runtime.request_stop()  # what SIGTERM does
+            async for _ in chunks:
+                pass
+        assert isinstance(stream.terminal, FinalFrame) and stream.terminal.finish_reason == FinishReason.LENGTH
+        await asyncio.wait_for(workers[1].task, timeout=10)
+        assert [c.stage for c in await live_workers(bus.registry)] == [Stage.PROCESSOR]
+
+
+async def test_decode_aborts_when_its_client_disappears(bus: Bus) -> None:
+    decode = mock_decode(inter_token_s=0.05)
+    async with running_workers(bus, [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, decode)]):
+        client = client_of(bus)
+        stream = await client.submit(chat(client, "talk forever", max_tokens=100000))
+        await stream.__aiter__().__anext__()
+        await stream.close()  # the client goes away without a word
+        started = time.monotonic()
+        await wait_until(lambda: decode.engine.load().running_requests == 0, timeout_s=5)
+        # heartbeat_interval_s is 0.2 s in the tests: noticed within a couple of probes.
+        assert time.monotonic() - started < 2
+
+
+async def test_released_memory_takes_the_worker_out_until_resumed(bus: Bus) -> None:
+    import aiohttp
+
+    async with running_workers(bus, [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, mock_decode())]):
+        decode_card = next(c for c in await live_workers(bus.registry) if c.stage == Stage.DECODE)
+        base = decode_card.metrics_url.replace("/metrics", "")  # type: ignore[union-attr]
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{base}/engine/release_memory_occupation", json={"tags": ["kv_cache"]}) as response:
+                assert response.status == 200
+            async with session.get(f"{base}/ready") as ready:
+                assert ready.status == 503
+            assert ready_models(await live_workers(bus.registry)) == {}
+            async with session.post(f"{base}/engine/resume_memory_occupation", json={"tags": ["kv_cache"]}) as response:
+                assert response.status == 200
+            assert ready_models(await live_workers(bus.registry)) == {MOCK: ServingMode.AGGREGATED}
