@@ -7,8 +7,9 @@ for a client that is gone.
 
 Receiver side: `ReplyStream` subscribes before the request is published, answers liveness probes,
 yields chunks in order and ends at the terminal frame. It raises `ReplyGap` when a frame is missing,
-`ReplyStreamBroken` when nothing arrives within the window, and `RemoteError` on an error frame, so
-a client never waits forever.
+`ReplyStreamBroken` when nothing arrives within the window, and `RemoteError` on an error frame
+(accepted whatever its number: a replica that took the request over numbers from 0), so a client
+never waits forever.
 """
 
 from __future__ import annotations
@@ -358,6 +359,10 @@ class ReplyStream:
                 f"reply stream of {self.request_id} silent for {timeout_s:.1f} s ({state})"
             ) from None
         frame = decode_as(msg.data, REPLY_FRAME)
+        if isinstance(frame, ErrorFrame):
+            # An error ends the stream whoever sends it: it may come from a replica that took
+            # over the request (its own numbering starts at 0) or from an earlier stage.
+            return frame
         if frame.seq != self._next_seq:
             raise ReplyGap(f"reply stream of {self.request_id}: expected frame #{self._next_seq}, got #{frame.seq}")
         self._next_seq += 1

@@ -9,7 +9,8 @@ asked for text (whole characters only, matched stop strings hidden), an OpenAI
 `chat.completion.chunk` when asked for that shape — then one `FinalFrame` with the normalized
 finish reason and usage (prompt, completion, total, cached tokens).
 
-Fails how: an option the engine cannot honour → `unsupported` error frame; an engine error →
+Fails how: a task redelivered because its replica died mid-way → retryable `worker_lost` error
+frame (the answer may have been partly streamed; the client retries); an option the engine cannot honour → `unsupported` error frame; an engine error →
 `internal` error frame; a KV handoff that cannot complete → retryable `worker_lost` error frame.
 A `Cancel` (or the client vanishing, seen by the reply stream's liveness probe) aborts the engine
 request at once, freeing its blocks, and the client gets `finish_reason: cancelled`.
@@ -65,6 +66,14 @@ class DecodeStage:
 
     async def handle(self, task: DecodeTask, delivery: Delivery) -> None:
         QUEUE_SECONDS.labels(stage=Stage.DECODE.value).observe(delivery.queued_s)
+        if delivery.num_delivered > 1:
+            # The replica that had this task died (or was killed) before acking it. It may have
+            # streamed part of the answer already; generating again would repeat or contradict text
+            # the client has shown, so the client decides: it is told to retry.
+            await delivery.reply.fail(ErrorCode.WORKER_LOST, "the decode worker serving this request stopped; "
+                                      "send the request again", retryable=True)
+            REQUESTS.labels(stage=Stage.DECODE.value, model=self.model, outcome="worker_lost").inc()
+            return
         request = GenerateRequest(
             request_id=task.request_id,
             token_ids=task.request.token_ids,

@@ -124,6 +124,8 @@ class TorchEngine:
         self._bootstrap: BootstrapServer | None = None
         # Prefill role: computed prompts waiting for their decode engine, by room, with a deadline.
         self._handoffs: dict[int, tuple[Sequence, float]] = {}
+        # Decode role: requests still waiting for their prefill's offer, so an abort can stop the wait.
+        self._receiving: dict[str, asyncio.Future[RoomOffer]] = {}
 
     # ----- lifecycle -----------------------------------------------------------------------------
 
@@ -216,12 +218,25 @@ class TorchEngine:
                 self._commands.put(lambda: self._abort_now(request.request_id))
 
     async def abort(self, request_id: str) -> None:
+        receiving = self._receiving.get(request_id)
+        if receiving is not None:
+            receiving.cancel()  # decode role, still waiting for the prefill's offer
         self._commands.put(lambda: self._abort_now(request_id))
 
     async def _receive_prompt_kv(self, seq: Sequence, stream: _Stream, bootstrap: BootstrapInfo) -> None:
         """Decode role: read the prompt's KV from the prefill engine, then continue as if prefilled."""
         assert self._transfer is not None
-        offer = await fetch_offer(bootstrap, self.config.handoff_timeout_s)
+        fetch = asyncio.ensure_future(fetch_offer(bootstrap, self.config.handoff_timeout_s))
+        self._receiving[seq.request_id] = fetch
+        try:
+            offer = await fetch
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise
+            raise TransferFailed(f"request {seq.request_id} aborted before its KV arrived") from None
+        finally:
+            self._receiving.pop(seq.request_id, None)
         if offer.num_prompt_tokens != seq.num_prompt_tokens or offer.layout.block_size != self.config.block_size:
             raise TransferFailed(
                 f"room {bootstrap.bootstrap_room}: prefill offers {offer.num_prompt_tokens} tokens in blocks of "
@@ -331,9 +346,17 @@ class TorchEngine:
             assert self.block_manager is not None
             self.block_manager.free(seq)
         self._sequences.pop(request_id, None)
+        if seq is not None:
+            self._withdraw_room(seq, "the request was cancelled during prefill")
         stream = self._streams.pop(request_id, None)
         if seq is not None and stream is not None:
             stream.put(self._final(seq, FinishReason.CANCELLED, [], ""))
+
+    def _withdraw_room(self, seq: Sequence, reason: str) -> None:
+        """Prefill role: tell a decode engine waiting on this prompt's room that it will not come."""
+        if self._bootstrap is not None and seq.bootstrap_room is not None:
+            self._bootstrap.fail(seq.bootstrap_room, reason)
+            self._bootstrap.forget(seq.bootstrap_room, after_s=self.config.handoff_timeout_s)
 
     def _step(self) -> None:
         assert self.scheduler is not None and self.block_manager is not None and self.model is not None
@@ -393,7 +416,7 @@ class TorchEngine:
         self.block_manager.free(seq)
         if error is not None:
             self._bootstrap.fail(seq.bootstrap_room, error)
-        self._bootstrap.forget(seq.bootstrap_room)
+        self._bootstrap.forget(seq.bootstrap_room, after_s=self.config.handoff_timeout_s if error else 0.0)
         self._sequences.pop(seq.request_id, None)
         stream = self._streams.pop(seq.request_id, None)
         if stream is not None:
@@ -470,6 +493,7 @@ class TorchEngine:
     def _fail(self, seq: Sequence, message: str) -> None:
         assert self.scheduler is not None
         self.scheduler.remove(seq.request_id)
+        self._withdraw_room(seq, message)
         self._sequences.pop(seq.request_id, None)
         stream = self._streams.pop(seq.request_id, None)
         if stream is not None:

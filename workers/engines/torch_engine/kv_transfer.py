@@ -179,9 +179,11 @@ class BootstrapServer:
     def fail(self, room: int, reason: str) -> None:
         self._settle(room, lambda future: future.set_exception(TransferFailed(reason)))
 
-    def forget(self, room: int) -> None:
+    def forget(self, room: int, after_s: float = 0.0) -> None:
+        """Drop a settled room, after a while when a late decode engine may still ask for it."""
         assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._rooms.pop, room, None)
+        loop = self._loop
+        loop.call_soon_threadsafe(lambda: loop.call_later(after_s, self._rooms.pop, room, None))
 
     def _settle(self, room: int, settle: Any) -> None:
         def apply() -> None:
