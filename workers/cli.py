@@ -167,14 +167,16 @@ ModelOption = Annotated[
     str | None,
     typer.Option("--model", help="Served model: a local Hugging Face directory, or SmolLM2-135M-Instruct (bundled, default)."),
 ]
-EngineOption = Annotated[str, typer.Option("--engine", help="torch (embedded, default), mock (simulated) or sglang (GPU).")]
-ModeOption = Annotated[str, typer.Option("--mode", help="aggregated (processor → decode) or disaggregated (→ prefill → decode).")]
+EngineOption = Annotated[str, typer.Option("--engine", envvar="CONVEYOR_ENGINE",
+                                           help="torch (embedded, default), mock (simulated) or sglang (GPU).")]
+ModeOption = Annotated[str, typer.Option("--mode", envvar="CONVEYOR_MODE",
+                                         help="aggregated (processor → decode) or disaggregated (→ prefill → decode).")]
 
 
 @app.command()
 def worker(
     stage: Annotated[str, typer.Argument(help="processor, prefill or decode.")],
-    model: Annotated[list[str] | None, typer.Option("--model", help="Model to serve (processor: repeat for several). Default: SmolLM2-135M-Instruct.")] = None,
+    model: Annotated[list[str] | None, typer.Option("--model", envvar="CONVEYOR_MODEL", help="Model to serve (processor: repeat for several). Default: SmolLM2-135M-Instruct.")] = None,
     engine: EngineOption = "torch",
     mode: ModeOption = "aggregated",
     http_port: Annotated[int, typer.Option(help="Port of /metrics, /live, /ready and /engine/* (0: any free port).")] = 0,

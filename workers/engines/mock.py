@@ -14,8 +14,10 @@ import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from schemas.registry import BootstrapEndpoint
@@ -34,17 +36,20 @@ from workers.engines.protocol import (
 EOS_TOKEN_ID = 2
 
 
-@dataclass(frozen=True, slots=True)
-class MockEngineConfig:
+class MockEngineConfig(BaseSettings):
+    """Read from CONVEYOR_MOCK_* variables when a worker is started with `--engine mock`."""
+
+    model_config = SettingsConfigDict(env_prefix="CONVEYOR_MOCK_", frozen=True)
+
     model: str = "mock"
-    ttft_base_s: float = 0.005
-    ttft_per_prompt_token_s: float = 0.00002
-    inter_token_s: float = 0.01
-    max_running_requests: int = 64
-    block_size: int = 16
-    kv_total_blocks: int = 4096
-    context_length: int = 8192
-    vocab_size: int = 32000
+    ttft_base_s: float = Field(default=0.005, ge=0)
+    ttft_per_prompt_token_s: float = Field(default=0.00002, ge=0)
+    inter_token_s: float = Field(default=0.01, ge=0)
+    max_running_requests: int = Field(default=64, ge=1)
+    block_size: int = Field(default=16, ge=1)
+    kv_total_blocks: int = Field(default=4096, ge=1)
+    context_length: int = Field(default=8192, ge=2)
+    vocab_size: int = Field(default=32000, ge=16)
 
 
 class MockEngine:

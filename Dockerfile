@@ -1,0 +1,16 @@
+# The Conveyor worker image: every stage runs from it (`conveyor worker <stage>`).
+# It installs with the same script as the README's quick start (CPU torch from PyTorch's CPU index).
+FROM python:3.11-slim
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY bus ./bus
+COPY schemas ./schemas
+COPY workers ./workers
+COPY scripts ./scripts
+RUN bash scripts/setup.sh && rm -rf /root/.cache/pip
+ENV PATH="/app/.venv/bin:${PATH}" \
+    CONVEYOR_MODEL_CACHE=/models
+# Convert the bundled model once at build time, so replicas start from safetensors.
+RUN python -c "from workers.engines.torch_engine.loader import bundled_smollm2; bundled_smollm2()"
+ENTRYPOINT ["conveyor"]
+CMD ["--help"]

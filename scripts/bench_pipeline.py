@@ -1,0 +1,163 @@
+"""Benchmark the pipeline's own cost with the mock engine, side by side with the engine in-process.
+
+One run starts an embedded nats-server, a processor and one decode worker as separate processes
+(`conveyor worker ... --engine mock`, exactly as deployed), and a mock engine with the same timing
+inside this process. Then, at 1, 16 and 64 concurrent streams, it measures for both:
+
+- time to first token (request sent → first token received),
+- inter-token latency (median gap between tokens of a stream),
+- output tokens/s through the one decode worker,
+
+and prints pipeline ÷ direct ratios. The TTFT difference divided by the three bus hops a request
+makes before its first token reaches the client (client → processor queue, processor → decode
+queue, decode → reply inbox) is the added latency per hop.
+
+    .venv/bin/python scripts/bench_pipeline.py
+    .venv/bin/python scripts/bench_pipeline.py --concurrency 1 16 64 --tokens 64 --inter-token-ms 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bus.client import open_client  # noqa: E402
+from bus.registry import ready_models  # noqa: E402
+from bus.server import EmbeddedNatsServer  # noqa: E402
+from bus.settings import BusSettings, NatsSettings  # noqa: E402
+from schemas.client import CompletionRequest, StreamFormat  # noqa: E402
+from schemas.sampling import StopConditions  # noqa: E402
+from workers.engines.mock import MockEngine, MockEngineConfig  # noqa: E402
+from workers.engines.protocol import GenerateRequest  # noqa: E402
+
+PROMPT = list(range(1000, 1128))  # 128 prompt tokens
+
+
+@dataclass
+class StreamTiming:
+    ttft_s: float
+    gaps_s: list[float]
+    tokens: int
+
+
+@dataclass
+class RunResult:
+    ttft_ms: float
+    itl_ms: float
+    tokens_per_s: float
+
+
+def summarize(timings: list[StreamTiming], elapsed_s: float) -> RunResult:
+    gaps = [gap for timing in timings for gap in timing.gaps_s]
+    return RunResult(
+        ttft_ms=1000 * statistics.median(t.ttft_s for t in timings),
+        itl_ms=1000 * statistics.median(gaps) if gaps else 0.0,
+        tokens_per_s=sum(t.tokens for t in timings) / elapsed_s,
+    )
+
+
+async def direct_stream(engine: MockEngine, tokens: int) -> StreamTiming:
+    request = GenerateRequest(f"d-{uuid.uuid4().hex[:8]}", PROMPT, stop=StopConditions(max_tokens=tokens))
+    started = time.perf_counter()
+    stamps: list[float] = []
+    async for output in engine.generate(request):
+        if output.token_ids:
+            stamps.append(time.perf_counter())
+    return StreamTiming(stamps[0] - started, [b - a for a, b in zip(stamps, stamps[1:])], len(stamps))
+
+
+async def pipeline_stream(client, tokens: int) -> StreamTiming:  # type: ignore[no-untyped-def]
+    request = CompletionRequest(request_id=f"p-{uuid.uuid4().hex[:12]}", reply_to=client.new_inbox(), model="mock",
+                                prompt=PROMPT, max_tokens=tokens, stream_format=StreamFormat.TOKENS)
+    started = time.perf_counter()
+    stamps: list[float] = []
+    async with await client.submit(request, first_frame_timeout_s=60) as stream:
+        async for chunk in stream:
+            now = time.perf_counter()
+            stamps.extend(now for _ in chunk.token_ids)
+    return StreamTiming(stamps[0] - started, [b - a for a, b in zip(stamps, stamps[1:]) if b > a], len(stamps))
+
+
+async def measure(concurrency: int, tokens: int, stream_once) -> RunResult:  # type: ignore[no-untyped-def]
+    started = time.perf_counter()
+    timings = await asyncio.gather(*(stream_once(tokens) for _ in range(concurrency)))
+    return summarize(list(timings), time.perf_counter() - started)
+
+
+def spawn_workers(url: str, namespace: str, env_mock: dict[str, str]) -> list[subprocess.Popen[bytes]]:
+    env = {**os.environ, **env_mock, "CONVEYOR_NATS_URLS": url, "CONVEYOR_NAMESPACE": namespace,
+           "PYTHONPATH": str(ROOT)}
+    return [subprocess.Popen([sys.executable, "-m", "workers.cli", "worker", stage, "--engine", "mock",
+                              "--log-level", "WARNING", "--max-concurrency", "128"], cwd=ROOT, env=env)
+            for stage in ("processor", "decode")]
+
+
+async def wait_ready(client) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + 120
+    while "mock" not in ready_models(await client.live_workers()):
+        if time.monotonic() > deadline:
+            raise TimeoutError("workers not ready")
+        await asyncio.sleep(0.2)
+
+
+async def main(levels: list[int], tokens: int, inter_token_ms: float, rounds: int) -> None:
+    mock = MockEngineConfig(inter_token_s=inter_token_ms / 1000, ttft_base_s=0.005, ttft_per_prompt_token_s=0.0,
+                            max_running_requests=256)
+    env_mock = {"CONVEYOR_MOCK_INTER_TOKEN_S": str(mock.inter_token_s), "CONVEYOR_MOCK_TTFT_BASE_S": str(mock.ttft_base_s),
+                "CONVEYOR_MOCK_TTFT_PER_PROMPT_TOKEN_S": "0", "CONVEYOR_MOCK_MAX_RUNNING_REQUESTS": "256"}
+    engine = MockEngine(mock)
+    with EmbeddedNatsServer() as server:
+        namespace = f"bench{uuid.uuid4().hex[:6]}"
+        workers = spawn_workers(server.url, namespace, env_mock)
+        try:
+            bus = BusSettings(namespace=namespace)
+            async with open_client(NatsSettings(urls=[server.url]), bus, "bench") as client:
+                await wait_ready(client)
+                await measure(4, 8, lambda n: pipeline_stream(client, n))  # warm-up
+                print(f"mock engine: TTFT {1000 * mock.ttft_base_s:.0f} ms, inter-token {inter_token_ms:g} ms, "
+                      f"{tokens} tokens per stream, 128-token prompt; medians of {rounds} rounds\n")
+                print(f"{'streams':>7} | {'TTFT ms direct/pipeline':>24} | {'ITL ms direct/pipeline':>23} | "
+                      f"{'tok/s direct/pipeline':>22} | ratios TTFT, ITL, tok/s")
+                for level in levels:
+                    direct_runs, pipeline_runs = [], []
+                    for _ in range(rounds):
+                        direct_runs.append(await measure(level, tokens, lambda n: direct_stream(engine, n)))
+                        pipeline_runs.append(await measure(level, tokens, lambda n: pipeline_stream(client, n)))
+                    d, p = _median_run(direct_runs), _median_run(pipeline_runs)
+                    print(f"{level:>7} | {d.ttft_ms:>10.1f} / {p.ttft_ms:>10.1f} | {d.itl_ms:>10.2f} / {p.itl_ms:>9.2f} | "
+                          f"{d.tokens_per_s:>9.0f} / {p.tokens_per_s:>10.0f} | "
+                          f"{p.ttft_ms / d.ttft_ms:.2f}×, {p.itl_ms / d.itl_ms:.2f}×, {p.tokens_per_s / d.tokens_per_s:.2f}×")
+                    if level == levels[0]:
+                        added = (p.ttft_ms - d.ttft_ms) / 3
+                        print(f"{'':>7}   TTFT overhead {p.ttft_ms - d.ttft_ms:.1f} ms = {added:.2f} ms per bus hop (3 hops)")
+        finally:
+            for worker in workers:
+                worker.send_signal(signal.SIGTERM)
+            for worker in workers:
+                worker.wait(timeout=30)
+
+
+def _median_run(runs: list[RunResult]) -> RunResult:
+    return sorted(runs, key=lambda r: r.ttft_ms)[len(runs) // 2]
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--inter-token-ms", type=float, default=10.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    asyncio.run(main(args.concurrency, args.tokens, args.inter_token_ms, args.rounds))
