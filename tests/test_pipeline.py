@@ -16,7 +16,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from bus.errors import RemoteError
 from bus.registry import live_workers, ready_models
-from schemas.client import ChatMessage, ImagePart, MediaUrl
+from schemas.client import ChatMessage, ImagePart, MediaUrl, StreamFormat
 from schemas.codec import decode
 from schemas.kv_events import BlockStored, KvEventBatch
 from schemas.registry import ServingMode, Stage
@@ -47,6 +47,19 @@ async def test_chat_request_streams_text_and_ends_with_usage(bus: Bus) -> None:
     assert isinstance(final, FinalFrame) and final.finish_reason == FinishReason.LENGTH
     assert sum(len(c.token_ids) for c in chunks) == 5 and all(c.text for c in chunks)
     assert final.usage.completion_tokens == 5 and final.usage.total_tokens == final.usage.prompt_tokens + 5
+
+
+async def test_openai_stream_format_sends_chat_completion_chunks(bus: Bus) -> None:
+    async with running_workers(bus, [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, mock_decode(inter_token_s=0.001))]):
+        client = client_of(bus)
+        request = chat(client, "hello", max_tokens=4).model_copy(update={"stream_format": StreamFormat.OPENAI})
+        async with await client.submit(request) as stream:
+            chunks, final = await stream.collect()
+    shapes = [c.openai for c in chunks]
+    assert all(s is not None and s.object == "chat.completion.chunk" and s.id == request.request_id for s in shapes)
+    assert shapes[0].choices[0].delta.role == "assistant" and shapes[1].choices[0].delta.role is None
+    assert shapes[-1].choices[0].finish_reason == "length" and shapes[-1].usage == final.usage
+    assert "".join(s.choices[0].delta.content or "" for s in shapes) == "".join(c.text or "" for c in chunks)
 
 
 async def expect_error(bus: Bus, request: object) -> RemoteError:

@@ -222,3 +222,17 @@ async def test_evicting_cached_blocks_emits_block_removed() -> None:
     stored = {h for b in batches for e in b.events if isinstance(e, BlockStored) for h in e.block_hashes}
     removed = [h for b in batches for e in b.events if isinstance(e, BlockRemoved) for h in e.block_hashes]
     assert removed and set(removed) <= stored
+
+
+async def test_flush_update_weights_and_profile_through_the_engine(engine: TorchEngine, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    ids = chat_ids(engine, "What is the capital of France?")
+    before, _, _ = await run(engine, GenerateRequest("w-before", ids, GREEDY, StopConditions(max_tokens=8)))
+    await engine.start_profile(tmp_path)
+    await engine.update_weights_from_disk(engine._model_dir)
+    after, _, final = await run(engine, GenerateRequest("w-after", ids, GREEDY, StopConditions(max_tokens=8)))
+    await engine.stop_profile()
+    assert after == before
+    assert final.cached_tokens == 0  # new weights invalidate the prefix cache
+    assert list(tmp_path.glob("torch-engine-*.json"))
+    await engine.flush_cache()
+    assert engine.block_manager is not None and engine.block_manager.num_cached_blocks == 0
