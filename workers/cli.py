@@ -291,6 +291,37 @@ def cancel(
 
 
 @app.command()
+def gateway(
+    port: Annotated[int, typer.Option(help="HTTP port of the OpenAI-compatible API.")] = 8000,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "0.0.0.0",
+    first_token_timeout_s: Annotated[float, typer.Option(help="Answer 504 when no token comes within this.")] = 120.0,
+    nats: NatsOption = None,
+    namespace: NamespaceOption = None,
+    log_level: LogLevelOption = "INFO",
+) -> None:
+    """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) over the pipeline."""
+    from bus.client import open_client
+    from workers.gateway import GatewayOptions, serving
+
+    configure_logging(log_level)
+    nats_settings, bus_settings = load_settings(nats, namespace)
+
+    async def run() -> None:
+        import signal
+
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        async with open_client(nats_settings, bus_settings, "conveyor-gateway") as client:
+            async with serving(client, GatewayOptions(host, port, first_token_timeout_s)) as bound:
+                typer.echo(f"[conveyor] OpenAI API on http://{host}:{bound}/v1", err=True)
+                await stop.wait()
+
+    asyncio.run(run())
+
+
+@app.command()
 def status(nats: NatsOption = None, namespace: NamespaceOption = None) -> None:
     """List live workers (stage, model, mode, readiness, KV usage) and the models ready to serve."""
     from workers.client_commands import status as read_status

@@ -1,0 +1,323 @@
+"""OpenAI-compatible HTTP gateway: a process of its own and an ordinary NATS client of the pipeline.
+
+Serves `/v1/chat/completions`, `/v1/completions` (streaming over SSE, with
+`stream_options.include_usage`, or whole responses), `/v1/models` (the models the registry shows
+ready) and `/health`. Each HTTP request becomes one `ChatRequest` / `CompletionRequest` published to
+`{ns}.work.processor` with its own reply inbox; the reply frames are turned back into OpenAI JSON.
+
+Fails how: pipeline error frames map onto the status codes OpenAI clients expect (400 invalid
+request, context too long or unsupported option; 404 unknown model; 503 overloaded or worker lost,
+with Retry-After; 504 when no first frame arrives in time; 500 otherwise), in OpenAI's error JSON.
+A client that disconnects mid-stream has its request cancelled through the control subject.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from contextlib import asynccontextmanager
+from typing import Any
+
+import structlog
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from bus.client import PipelineClient
+from bus.errors import RemoteError, ReplyGap, ReplyStreamBroken
+from bus.registry import ready_models
+from bus.replies import ReplyStream
+from schemas.client import ChatMessage, ChatRequest, CompletionRequest, ResponseFormat, StreamFormat
+from schemas.replies import ErrorCode, FinalFrame, TokenChunk, Usage
+
+log = structlog.get_logger(__name__)
+
+_STATUS = {
+    ErrorCode.INVALID_REQUEST: 400, ErrorCode.CONTEXT_LENGTH_EXCEEDED: 400, ErrorCode.UNSUPPORTED: 400,
+    ErrorCode.UNKNOWN_MODEL: 404, ErrorCode.OVERLOADED: 503, ErrorCode.WORKER_LOST: 503,
+    ErrorCode.TIMEOUT: 504, ErrorCode.INTERNAL: 500,
+}
+_MODELS_REFRESH_S = 1.0
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _OpenAIBody(BaseModel):
+    """Fields both endpoints accept. Unknown fields are ignored, as OpenAI's own server does."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    # Extensions SGLang and vLLM accept too.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+
+    def generation_fields(self) -> dict[str, Any]:
+        fields = self.model_dump(exclude={"model", "stream", "stream_options", "max_completion_tokens", "messages",
+                                          "prompt", "logprobs", "top_logprobs", "response_format"}, exclude_none=True)
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        return {**fields, "max_tokens": max_tokens} if max_tokens is not None else fields
+
+
+class ChatBody(_OpenAIBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    response_format: ResponseFormat | None = None
+
+
+class CompletionBody(_OpenAIBody):
+    prompt: str | list[int]
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayOptions:
+    host: str = "0.0.0.0"
+    port: int = 8000
+    # Longest wait for the first frame of a reply (the request may queue behind others).
+    first_token_timeout_s: float = 120.0
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
+                 retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code, self.retry_after_s = status, message, kind, code, retry_after_s
+
+    def response(self) -> web.Response:
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s else None
+        return web.json_response(self.body(), status=self.status, headers=headers)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.code}}
+
+    @classmethod
+    def of_remote(cls, error: RemoteError) -> OpenAIError:
+        status = _STATUS.get(error.code, 500)
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return cls(status, error.frame.message, kind, error.code.value, retry_after_s=1 if status == 503 else None)
+
+
+class Gateway:
+    def __init__(self, client: PipelineClient, options: GatewayOptions) -> None:
+        self._client = client
+        self._options = options
+        self._ready: dict[str, Any] = {}
+        self._ready_at_s = 0.0
+        self.app = web.Application(middlewares=[self._errors])
+        self.app.add_routes([
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.post("/v1/completions", self.completions),
+            web.get("/v1/models", self.models),
+            web.get("/health", self.health),
+        ])
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except OpenAIError as error:
+            return error.response()
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "ready_models": sorted(await self._ready_models())})
+
+    async def models(self, request: web.Request) -> web.Response:
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "conveyor"}
+                for name in sorted(await self._ready_models())]
+        return web.json_response({"object": "list", "data": data})
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await _parse(request, ChatBody)
+        await self._require_model(body.model)
+        message = _build(
+            ChatRequest, request_id=f"chatcmpl-{uuid.uuid4().hex[:24]}", reply_to=self._client.new_inbox(),
+            model=body.model, messages=body.messages, stream_format=StreamFormat.OPENAI, logprobs=body.logprobs,
+            top_logprobs=body.top_logprobs, response_format=body.response_format, **body.generation_fields(),
+        )
+        return await self._serve(request, message, body, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await _parse(request, CompletionBody)
+        await self._require_model(body.model)
+        message = _build(
+            CompletionRequest, request_id=f"cmpl-{uuid.uuid4().hex[:24]}", reply_to=self._client.new_inbox(),
+            model=body.model, prompt=body.prompt, stream_format=StreamFormat.TEXT, logprobs=bool(body.logprobs),
+            top_logprobs=body.logprobs or 0, **body.generation_fields(),
+        )
+        return await self._serve(request, message, body, chat=False)
+
+    async def _serve(self, http: web.Request, message: ChatRequest | CompletionRequest, body: _OpenAIBody,
+                     chat: bool) -> web.StreamResponse:
+        structlog.contextvars.bind_contextvars(request_id=message.request_id)
+        stream = await self._client.submit(message, first_frame_timeout_s=self._options.first_token_timeout_s)
+        shape = _Shape(message.request_id, body.model, chat)
+        async with stream:
+            if body.stream:
+                return await self._stream(http, stream, shape, include_usage=bool(body.stream_options and body.stream_options.include_usage))
+            return await self._whole(stream, shape)
+
+    async def _whole(self, stream: ReplyStream, shape: _Shape) -> web.Response:
+        try:
+            chunks, final = await stream.collect()
+        except RemoteError as error:
+            raise OpenAIError.of_remote(error) from None
+        except (ReplyStreamBroken, ReplyGap) as error:
+            raise OpenAIError(504, str(error), "server_error", "timeout") from None
+        assert isinstance(final, FinalFrame)
+        return web.json_response(shape.whole("".join(c.text or "" for c in chunks), final),
+                                 headers={"x-request-id": shape.request_id})
+
+    async def _stream(self, http: web.Request, stream: ReplyStream, shape: _Shape, include_usage: bool) -> web.StreamResponse:
+        chunks = stream.__aiter__()
+        try:
+            first = await chunks.__anext__()  # errors before the first token still get a status code
+        except StopAsyncIteration:
+            first = None
+        except RemoteError as error:
+            raise OpenAIError.of_remote(error) from None
+        except (ReplyStreamBroken, ReplyGap) as error:
+            raise OpenAIError(504, str(error), "server_error", "timeout") from None
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "x-request-id": shape.request_id})
+        await response.prepare(http)
+        try:
+            if first is not None:
+                await _send(response, shape.chunk(first))
+                async for chunk in chunks:
+                    await _send(response, shape.chunk(chunk))
+            final = stream.terminal
+            assert isinstance(final, FinalFrame)
+            if not shape.chat:
+                await _send(response, shape.completion_finish(final))
+            if include_usage:
+                await _send(response, shape.usage_chunk(final.usage))
+            await response.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, ConnectionError):
+            # The HTTP client went away: stop the generation wherever it is.
+            log.info("gateway.client_disconnected")
+            await self._client.cancel(shape.request_id, "HTTP client disconnected")
+            return response
+        except RemoteError as error:
+            await _send(response, OpenAIError.of_remote(error).body())
+        except (ReplyStreamBroken, ReplyGap) as error:
+            await _send(response, OpenAIError(504, str(error), "server_error", "timeout").body())
+        await response.write_eof()
+        return response
+
+    async def _ready_models(self) -> dict[str, Any]:
+        if time.monotonic() - self._ready_at_s > _MODELS_REFRESH_S:
+            self._ready = dict(ready_models(await self._client.live_workers()))
+            self._ready_at_s = time.monotonic()
+        return self._ready
+
+    async def _require_model(self, model: str) -> None:
+        if model not in await self._ready_models():
+            raise OpenAIError(404, f"The model `{model}` does not exist or no ready workers serve it",
+                              "invalid_request_error", "model_not_found")
+
+
+class _Shape:
+    """Reply frames as OpenAI JSON: chat.completion(.chunk) or text_completion."""
+
+    def __init__(self, request_id: str, model: str, chat: bool) -> None:
+        self.request_id, self.model, self.chat = request_id, model, chat
+        self.created = int(time.time())
+
+    def chunk(self, chunk: TokenChunk) -> dict[str, Any]:
+        if self.chat:
+            if chunk.openai is None:
+                raise OpenAIError(500, "the decode worker sent no OpenAI chunk", "server_error")
+            return chunk.openai.model_dump(mode="json", exclude={"usage"}) | {"id": self.request_id}
+        return {"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": chunk.index, "text": chunk.text or "", "finish_reason": None, "logprobs": None}]}
+
+    def completion_finish(self, final: FinalFrame) -> dict[str, Any]:
+        return {"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "text": "", "finish_reason": _openai_reason(final), "logprobs": None}]}
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model, "choices": [],
+                "usage": _usage(usage)}
+
+    def whole(self, text: str, final: FinalFrame) -> dict[str, Any]:
+        reason = _openai_reason(final)
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                      "finish_reason": reason, "logprobs": None}
+            kind = "chat.completion"
+        else:
+            choice, kind = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}, "text_completion"
+        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model,
+                "choices": [choice], "usage": _usage(final.usage)}
+
+
+def _openai_reason(final: FinalFrame) -> str:
+    # OpenAI has no "cancelled"; a cancelled request's client is usually gone anyway.
+    return {"cancelled": "stop", "error": "stop"}.get(final.finish_reason.value, final.finish_reason.value)
+
+
+def _usage(usage: Usage) -> dict[str, Any]:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+async def _send(response: web.StreamResponse, event: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n")
+
+
+async def _parse(request: web.Request, model: type[BaseModel]) -> Any:
+    try:
+        return model.model_validate(await request.json())
+    except json.JSONDecodeError:
+        raise OpenAIError(400, "the body is not valid JSON") from None
+    except ValidationError as error:
+        raise OpenAIError(400, _summary(error)) from None
+
+
+def _build(request_type: type[Any], **fields: Any) -> Any:
+    """The pipeline request, its schema's range checks answered as HTTP 400."""
+    try:
+        return request_type(**fields)
+    except ValidationError as error:
+        raise OpenAIError(400, _summary(error)) from None
+
+
+def _summary(error: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors()[:5])
+
+
+@asynccontextmanager
+async def serving(client: PipelineClient, options: GatewayOptions) -> AsyncIterator[int]:
+    """Serve while the block runs; gives the bound port."""
+    gateway = Gateway(client, options)
+    runner = web.AppRunner(gateway.app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, options.host, options.port)
+    await site.start()
+    server = site._server
+    assert server is not None and server.sockets
+    try:
+        yield int(server.sockets[0].getsockname()[1])
+    finally:
+        await runner.cleanup()
