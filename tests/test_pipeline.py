@@ -284,3 +284,21 @@ async def wait_until_async(predicate, timeout_s: float) -> None:  # type: ignore
     while not await predicate():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.1)
+
+
+async def test_cli_chat_keeps_the_conversation_and_ask_refuses_without_workers(bus: Bus) -> None:
+    env = {**os.environ, "CONVEYOR_NATS_URLS": bus.nats_settings.urls[0], "CONVEYOR_NAMESPACE": bus.settings.namespace}
+    refused = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "workers.cli", "ask", "hi", "--model", MOCK, cwd=REPO_ROOT, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    _, refusal = await asyncio.wait_for(refused.communicate(), timeout=60)
+    assert refused.returncode == 2 and "no ready pipeline serves 'mock'" in refusal.decode()
+    async with running_workers(bus, [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, mock_decode(inter_token_s=0.001))]):
+        chat_process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "workers.cli", "chat", "--model", MOCK, "--max-tokens", "3", cwd=REPO_ROOT, env=env,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        stdout, _ = await asyncio.wait_for(chat_process.communicate(b"first question\nsecond question\n"), timeout=60)
+    assert chat_process.returncode == 0
+    answers = [line for line in stdout.decode().splitlines() if line.strip()]
+    assert len(answers) == 2 and all(len(a.split()) == 3 for a in answers)
+    assert answers[0] != answers[1]  # the second prompt holds the whole conversation

@@ -276,6 +276,29 @@ def ask_command(
         raise typer.Exit(1) from None
 
 
+@app.command("chat")
+def chat_command(
+    model: ModelOption = None,
+    max_tokens: Annotated[int | None, typer.Option(min=1, help="Most tokens per answer.")] = None,
+    temperature: Annotated[float | None, typer.Option(min=0.0, help="0 is greedy; default: the engine's.")] = None,
+    timeout_s: Annotated[float, typer.Option(help="Longest wait for the first frame of an answer.")] = 60.0,
+    nats: NatsOption = None,
+    namespace: NamespaceOption = None,
+    log_level: LogLevelOption = "WARNING",
+) -> None:
+    """An interactive conversation through the bus: one question per line, answers streamed."""
+    from workers.client_commands import NoWorkerServes, chat_loop
+    from workers.engines.torch_engine.loader import DEFAULT_MODEL
+
+    configure_logging(log_level)
+    nats_settings, bus_settings = load_settings(nats, namespace)
+    try:
+        asyncio.run(chat_loop(nats_settings, bus_settings, model or DEFAULT_MODEL, max_tokens, temperature, timeout_s))
+    except NoWorkerServes as error:
+        typer.echo(f"[conveyor] {error}", err=True)
+        raise typer.Exit(2) from None
+
+
 @app.command()
 def cancel(
     request_id: Annotated[str, typer.Argument(help="The request to stop, wherever it is in the pipeline.")],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 import uuid
@@ -43,25 +44,58 @@ async def ask(nats: NatsSettings, bus: BusSettings, model: str, prompt: str, max
     """Send a chat request through the pipeline and stream the answer to stdout."""
     async with open_client(nats, bus, "conveyor-ask") as client:
         await ensure_model_ready(client, bus, model)
-        request = ChatRequest(
-            request_id=f"ask-{uuid.uuid4().hex[:16]}", reply_to=client.new_inbox(), model=model,
-            messages=[ChatMessage(role="user", content=prompt)], max_tokens=max_tokens, temperature=temperature,
-            stream_format=StreamFormat.TEXT,
-        )
-        started = time.perf_counter()
-        first_token_s = 0.0
-        parts: list[str] = []
-        async with await client.submit(request, first_frame_timeout_s=timeout_s) as stream:
-            async for chunk in stream:
-                if not parts:
-                    first_token_s = time.perf_counter() - started
-                parts.append(chunk.text or "")
-                if echo:
-                    print(chunk.text or "", end="", flush=True)
-        if echo:
-            print()
-        assert isinstance(stream.terminal, FinalFrame)
-        return AskResult("".join(parts), stream.terminal, first_token_s, time.perf_counter() - started)
+        messages = [ChatMessage(role="user", content=prompt)]
+        return await _ask_once(client, model, messages, max_tokens, temperature, timeout_s, echo)
+
+
+async def chat_loop(nats: NatsSettings, bus: BusSettings, model: str, max_tokens: int | None,
+                    temperature: float | None, timeout_s: float) -> None:
+    """Read questions from stdin, keep the conversation, stream each answer; end on EOF or /exit."""
+    async with open_client(nats, bus, "conveyor-chat") as client:
+        await ensure_model_ready(client, bus, model)
+        history: list[ChatMessage] = []
+        print(f"[conveyor] chatting with {model}; an empty line or Ctrl-D ends", file=sys.stderr)
+        while True:
+            line = await asyncio.to_thread(_prompt)
+            if line is None or not line.strip() or line.strip() == "/exit":
+                return
+            history.append(ChatMessage(role="user", content=line))
+            try:
+                result = await _ask_once(client, model, history, max_tokens, temperature, timeout_s, echo=True)
+            except Exception as error:
+                print(f"[conveyor] {explain(error)}", file=sys.stderr)
+                history.pop()
+                continue
+            history.append(ChatMessage(role="assistant", content=result.text))
+
+
+def _prompt() -> str | None:
+    try:
+        return input("> " if sys.stdin.isatty() else "")
+    except EOFError:
+        return None
+
+
+async def _ask_once(client: PipelineClient, model: str, messages: list[ChatMessage], max_tokens: int | None,
+                    temperature: float | None, timeout_s: float, echo: bool) -> AskResult:
+    request = ChatRequest(
+        request_id=f"ask-{uuid.uuid4().hex[:16]}", reply_to=client.new_inbox(), model=model, messages=messages,
+        max_tokens=max_tokens, temperature=temperature, stream_format=StreamFormat.TEXT,
+    )
+    started = time.perf_counter()
+    first_token_s = 0.0
+    parts: list[str] = []
+    async with await client.submit(request, first_frame_timeout_s=timeout_s) as stream:
+        async for chunk in stream:
+            if not parts:
+                first_token_s = time.perf_counter() - started
+            parts.append(chunk.text or "")
+            if echo:
+                print(chunk.text or "", end="", flush=True)
+    if echo:
+        print()
+    assert isinstance(stream.terminal, FinalFrame)
+    return AskResult("".join(parts), stream.terminal, first_token_s, time.perf_counter() - started)
 
 
 def report(result: AskResult) -> None:
