@@ -122,7 +122,11 @@ async def cancel_check(client: PipelineClient, model: str, engine: Engine) -> di
             "cancel_to_final_ms": latency_ms, "engine_running_after": engine.load().running_requests}
 
 
-async def bench_engine(kind: EngineKind, model_dir: str, levels: list[int], new_tokens: int) -> dict[str, Any]:
+def _median(results: list[dict[str, float]]) -> dict[str, float]:
+    return sorted(results, key=lambda r: r["tokens_per_s"])[len(results) // 2]
+
+
+async def bench_engine(kind: EngineKind, model_dir: str, levels: list[int], new_tokens: int, rounds: int) -> dict[str, Any]:
     print(f"\n=== {kind.value} engine, model {model_dir} (dummy weights) ===", flush=True)
     started = time.perf_counter()
     engine = create_engine(kind, model_dir, load_format="dummy")
@@ -130,8 +134,7 @@ async def bench_engine(kind: EngineKind, model_dir: str, levels: list[int], new_
     report: dict[str, Any] = {"engine": kind.value, "start_s": round(time.perf_counter() - started, 1), "levels": {}}
     print(f"engine started in {report['start_s']} s", flush=True)
     for level in levels:
-        await direct(engine, min(level, 4), 8)  # warm-up (CUDA graphs, kernels)
-        report["levels"][level] = {"direct": await direct(engine, level, new_tokens)}
+        await direct(engine, level, 16)  # warm-up at this batch size (CUDA graphs, kernels, allocator)
     with EmbeddedNatsServer() as server:
         nats = NatsSettings(urls=[server.url])
         bus = BusSettings(namespace=f"gpu{uuid.uuid4().hex[:6]}")
@@ -151,8 +154,13 @@ async def bench_engine(kind: EngineKind, model_dir: str, levels: list[int], new_
                         raise RuntimeError("pipeline not ready")
                     await asyncio.sleep(0.5)
                 await through_pipeline(client, model_dir, 4, 8)  # warm-up
+                # Direct and pipeline alternate, `rounds` times each; the median round is kept.
                 for level in levels:
-                    report["levels"][level]["pipeline"] = await through_pipeline(client, model_dir, level, new_tokens)
+                    runs: dict[str, list[dict[str, float]]] = {"direct": [], "pipeline": []}
+                    for _ in range(rounds):
+                        runs["direct"].append(await direct(engine, level, new_tokens))
+                        runs["pipeline"].append(await through_pipeline(client, model_dir, level, new_tokens))
+                    report["levels"][level] = {mode: _median(results) for mode, results in runs.items()}
                 report["cancel"] = await cancel_check(client, model_dir, engine)
             info = await _kv_event_count(nats, bus)
             report["kv_event_batches"] = info
@@ -188,11 +196,11 @@ def _print(report: dict[str, Any]) -> None:
     print(f"cancel: {report.get('cancel')}; KV-event batches on the stream: {report.get('kv_event_batches')}", flush=True)
 
 
-async def main(model: str, engines: list[str], levels: list[int], new_tokens: int) -> None:
+async def main(model: str, engines: list[str], levels: list[int], new_tokens: int, rounds: int) -> None:
     results = []
     for name in engines:
         try:
-            results.append(await bench_engine(EngineKind(name), model, levels, new_tokens))
+            results.append(await bench_engine(EngineKind(name), model, levels, new_tokens, rounds))
         except Exception as error:  # report and go on to the next engine
             import traceback
 
@@ -208,5 +216,6 @@ if __name__ == "__main__":
     parser.add_argument("--engines", nargs="+", default=["sglang", "torch"])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating direct/pipeline rounds per level")
     args = parser.parse_args()
-    asyncio.run(main(args.model, args.engines, args.concurrency, args.tokens))
+    asyncio.run(main(args.model, args.engines, args.concurrency, args.tokens, args.rounds))

@@ -76,7 +76,7 @@ def test_logprobs_of_the_newest_tokens() -> None:
 def test_engine_arguments_turn_on_deltas_kv_events_and_disaggregation() -> None:
     args = server_args(SGLangEngineConfig(model_path="/m", role=DisaggregationRole.PREFILL, page_size=16), 5557, 8998)
     assert args["incremental_streaming_output"] is True
-    assert json.loads(args["kv_events_config"]) == {"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557", "topic": "kv-events"}
+    assert json.loads(args["kv_events_config"]) == {"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}
     assert args["disaggregation_mode"] == "prefill" and args["disaggregation_bootstrap_port"] == 8998
     assert args["disaggregation_transfer_backend"] == "nixl" and args["attention_backend"] == "triton"
     assert "disaggregation_mode" not in server_args(SGLangEngineConfig(model_path="/m"), 1, 2)

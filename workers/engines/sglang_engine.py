@@ -86,8 +86,10 @@ def server_args(config: SGLangEngineConfig, kv_events_port: int, bootstrap_port:
         "incremental_streaming_output": True,
         "stream_interval": config.stream_interval,
         "enable_metrics": True,
+        # SGLang's publisher binds only to wildcard endpoints and *connects* to any other; our relay
+        # connects, so SGLang must bind: "*" (found on the H100: with 127.0.0.1 no event arrived).
         "kv_events_config": json.dumps(
-            {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{kv_events_port}", "topic": "kv-events"}
+            {"publisher": "zmq", "endpoint": f"tcp://*:{kv_events_port}", "topic": "kv-events"}
         ),
         "enable_memory_saver": config.enable_memory_saver,
         "log_level": "warning",
