@@ -126,12 +126,13 @@ def _median(results: list[dict[str, float]]) -> dict[str, float]:
     return sorted(results, key=lambda r: r["tokens_per_s"])[len(results) // 2]
 
 
-async def bench_engine(kind: EngineKind, model_dir: str, levels: list[int], new_tokens: int, rounds: int) -> dict[str, Any]:
-    print(f"\n=== {kind.value} engine, model {model_dir} (dummy weights) ===", flush=True)
+async def bench_engine(kind: EngineKind, model_dir: str, levels: list[int], new_tokens: int, rounds: int,
+                       coalesce_ms: float) -> dict[str, Any]:
+    print(f"\n=== {kind.value} engine, model {model_dir} (dummy weights), reply coalescing {coalesce_ms:g} ms ===", flush=True)
     started = time.perf_counter()
     engine = create_engine(kind, model_dir, load_format="dummy")
     await engine.start()
-    report: dict[str, Any] = {"engine": kind.value, "start_s": round(time.perf_counter() - started, 1), "levels": {}}
+    report: dict[str, Any] = {"engine": kind.value, "coalesce_ms": coalesce_ms, "start_s": round(time.perf_counter() - started, 1), "levels": {}}
     print(f"engine started in {report['start_s']} s", flush=True)
     for level in levels:
         await direct(engine, level, 16)  # warm-up at this batch size (CUDA graphs, kernels, allocator)
@@ -143,7 +144,8 @@ async def bench_engine(kind: EngineKind, model_dir: str, levels: list[int], new_
                                       "--model", model_dir, "--log-level", "WARNING", "--max-concurrency", "256"],
                                      cwd=ROOT, env=env)
         options = WorkerOptions(stage=Stage.DECODE, model=model_dir, mode=ServingMode.AGGREGATED, engine_name=kind.value,
-                                http_host="127.0.0.1", max_concurrency=256, handle_signals=False)
+                                http_host="127.0.0.1", max_concurrency=256, handle_signals=False,
+                                coalesce_window_s=coalesce_ms / 1000)
         decode = WorkerRuntime(DecodeStage(AlreadyStarted(engine), model_dir), options, nats, bus)  # type: ignore[arg-type]
         decode_task = asyncio.create_task(decode.run())
         try:
@@ -196,11 +198,12 @@ def _print(report: dict[str, Any]) -> None:
     print(f"cancel: {report.get('cancel')}; KV-event batches on the stream: {report.get('kv_event_batches')}", flush=True)
 
 
-async def main(model: str, engines: list[str], levels: list[int], new_tokens: int, rounds: int) -> None:
+async def main(model: str, engines: list[str], levels: list[int], new_tokens: int, rounds: int,
+               coalesce_ms: list[float]) -> None:
     results = []
-    for name in engines:
+    for name, window_ms in ((n, w) for n in engines for w in coalesce_ms):
         try:
-            results.append(await bench_engine(EngineKind(name), model, levels, new_tokens, rounds))
+            results.append(await bench_engine(EngineKind(name), model, levels, new_tokens, rounds, window_ms))
         except Exception as error:  # report and go on to the next engine
             import traceback
 
@@ -217,5 +220,7 @@ if __name__ == "__main__":
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3, help="alternating direct/pipeline rounds per level")
+    parser.add_argument("--coalesce-ms", type=float, nargs="+", default=[0.0],
+                        help="the decode worker's reply coalescing windows to measure (one pass each)")
     args = parser.parse_args()
-    asyncio.run(main(args.model, args.engines, args.concurrency, args.tokens, args.rounds))
+    asyncio.run(main(args.model, args.engines, args.concurrency, args.tokens, args.rounds, args.coalesce_ms))

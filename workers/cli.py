@@ -184,6 +184,7 @@ def worker(
     max_concurrency: Annotated[int, typer.Option(min=1, help="Tasks this worker handles at once.")] = 32,
     shutdown_grace_s: Annotated[float, typer.Option(help="On SIGTERM, how long in-flight work may finish before it is handed back.")] = 30.0,
     load_format: Annotated[str, typer.Option(help="auto, or dummy (random weights; for benchmarks).")] = "auto",
+    coalesce_ms: Annotated[float, typer.Option(min=0.0, help="Merge a stream's tokens arriving within this window into one frame (fewer messages at high token rates).")] = 0.0,
     nats: NatsOption = None,
     namespace: NamespaceOption = None,
     log_level: LogLevelOption = "INFO",
@@ -207,6 +208,7 @@ def worker(
     options = WorkerOptions(
         stage=stage_kind, model=models[0], mode=serving_mode, engine_name=engine_kind.value, http_host=http_host,
         http_port=http_port, max_concurrency=max_concurrency, shutdown_grace_s=shutdown_grace_s,
+        coalesce_window_s=coalesce_ms / 1000,
     )
     asyncio.run(WorkerRuntime(built, options, nats_settings, bus_settings).run())
 
