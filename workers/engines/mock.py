@@ -22,6 +22,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from schemas.registry import BootstrapEndpoint
 from schemas.replies import FinishReason
+from workers.engines.events import KvEventFanout
 from workers.engines.kv_hashing import chain_hashes
 from workers.engines.protocol import (
     EngineInfo,
@@ -61,7 +62,7 @@ class MockEngine:
         # Content key -> None for cached blocks, least recently used first; referenced ones separately.
         self._cached: OrderedDict[int, None] = OrderedDict()
         self._used_blocks = 0
-        self._event_queues: list[asyncio.Queue[KvEventBatchOut]] = []
+        self._kv_events = KvEventFanout()
         self._released: set[MemoryTag] = set()
         self._info = EngineInfo(name="mock", model=config.model, context_length=config.context_length,
                                 eos_token_ids=(EOS_TOKEN_ID,))
@@ -155,9 +156,7 @@ class MockEngine:
     def _publish(self, events: list[KvEvent]) -> None:
         if not events:
             return
-        batch = KvEventBatchOut(events=events, ts=time.time())
-        for events_queue in self._event_queues:
-            events_queue.put_nowait(batch)
+        self._kv_events.publish(KvEventBatchOut(events=events, ts=time.time()))
 
     async def abort(self, request_id: str) -> None:
         cancelled = self._running.get(request_id)
@@ -176,14 +175,8 @@ class MockEngine:
             kv_used_blocks=self._used_blocks,
         )
 
-    async def kv_events(self) -> AsyncIterator[KvEventBatchOut]:
-        events_queue: asyncio.Queue[KvEventBatchOut] = asyncio.Queue()
-        self._event_queues.append(events_queue)
-        try:
-            while True:
-                yield await events_queue.get()
-        finally:
-            self._event_queues.remove(events_queue)
+    def kv_events(self) -> AsyncIterator[KvEventBatchOut]:
+        return self._kv_events.listen()
 
     @property
     def bootstrap_endpoint(self) -> BootstrapEndpoint | None:

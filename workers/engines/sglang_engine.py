@@ -37,6 +37,7 @@ import structlog
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from schemas.registry import BootstrapEndpoint
 from schemas.replies import FinishReason, TokenLogprob, TopLogprob
+from workers.engines.events import KvEventFanout
 from workers.engines.protocol import (
     DisaggregationRole,
     EngineInfo,
@@ -226,7 +227,7 @@ class KvEventRelay:
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
-        self._listeners: list[asyncio.Queue[KvEventBatchOut]] = []
+        self.batches = KvEventFanout()
         self._task: asyncio.Task[None] | None = None
         self.last_seq: int | None = None
         self.gaps = 0
@@ -247,14 +248,6 @@ class KvEventRelay:
             await asyncio.gather(self._task, return_exceptions=True)
             self._socket.close(linger=0)
 
-    def listen(self) -> asyncio.Queue[KvEventBatchOut]:
-        queue: asyncio.Queue[KvEventBatchOut] = asyncio.Queue()
-        self._listeners.append(queue)
-        return queue
-
-    def unlisten(self, queue: asyncio.Queue[KvEventBatchOut]) -> None:
-        self._listeners.remove(queue)
-
     async def _run(self) -> None:
         while True:
             frames = await self._socket.recv_multipart()
@@ -271,8 +264,7 @@ class KvEventRelay:
                 self.gaps += 1
                 log.warning("sglang.kv_event_gap", missed=seq - self.last_seq - 1)
             self.last_seq = seq
-            for queue in self._listeners:
-                queue.put_nowait(batch)
+            self.batches.publish(batch)
 
 
 def _free_port() -> int:
@@ -403,14 +395,9 @@ class SGLangEngine:
                 log.warning("sglang.load_failed", error=repr(error))
             await asyncio.sleep(1.0)
 
-    async def kv_events(self) -> AsyncIterator[KvEventBatchOut]:
+    def kv_events(self) -> AsyncIterator[KvEventBatchOut]:
         assert self._relay is not None
-        queue = self._relay.listen()
-        try:
-            while True:
-                yield await queue.get()
-        finally:
-            self._relay.unlisten(queue)
+        return self._relay.batches.listen()
 
     @property
     def bootstrap_endpoint(self) -> BootstrapEndpoint | None:

@@ -26,6 +26,7 @@ import torch
 from schemas.registry import BootstrapEndpoint
 from schemas.replies import FinishReason
 from workers.engines.detokenizer import IncrementalDetokenizer
+from workers.engines.events import KvEventFanout
 from workers.engines.protocol import (
     DisaggregationRole,
     EngineInfo,
@@ -105,7 +106,7 @@ class TorchEngine:
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._sequences: dict[str, Sequence] = {}
-        self._event_queues: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[KvEventBatchOut]]] = []
+        self._kv_events = KvEventFanout()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._model_dir: Path | None = None
@@ -504,9 +505,7 @@ class TorchEngine:
         events = self.block_manager.take_events()
         if not events:
             return
-        batch = KvEventBatchOut(events=events, ts=time.time())
-        for loop, events_queue in self._event_queues:
-            loop.call_soon_threadsafe(events_queue.put_nowait, batch)
+        self._kv_events.publish(KvEventBatchOut(events=events, ts=time.time()))
 
     # ----- state and control ---------------------------------------------------------------------
 
@@ -523,15 +522,8 @@ class TorchEngine:
             cache_hit_rate=manager.prompt_tokens_cached / seen if seen else 0.0,
         )
 
-    async def kv_events(self) -> AsyncIterator[KvEventBatchOut]:
-        events_queue: asyncio.Queue[KvEventBatchOut] = asyncio.Queue()
-        entry = (asyncio.get_running_loop(), events_queue)
-        self._event_queues.append(entry)
-        try:
-            while True:
-                yield await events_queue.get()
-        finally:
-            self._event_queues.remove(entry)
+    def kv_events(self) -> AsyncIterator[KvEventBatchOut]:
+        return self._kv_events.listen()
 
     @property
     def bootstrap_endpoint(self) -> BootstrapEndpoint | None:
