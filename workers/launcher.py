@@ -36,6 +36,7 @@ class UpOptions:
     max_tokens: int = 128
     # The demo answer is greedy, so it is the model's best and the same every run.
     temperature: float = 0.0
+    load_format: str = "auto"
     log_level: str = "WARNING"
 
 
@@ -68,7 +69,8 @@ async def run_up(nats: NatsSettings, bus: BusSettings, embedded: bool, options: 
 
 def _spawn(stage: Stage, nats: NatsSettings, bus: BusSettings, options: UpOptions) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "workers.cli", "worker", stage.value, "--model", options.model,
-               "--engine", options.engine, "--mode", options.mode.value, "--log-level", options.log_level]
+               "--engine", options.engine, "--mode", options.mode.value, "--log-level", options.log_level,
+               "--load-format", options.load_format]
     env = {**os.environ, "CONVEYOR_NATS_URLS": ",".join(nats.urls), "CONVEYOR_NAMESPACE": bus.namespace}
     progress(f"starting {stage.value} worker ({options.engine} engine)")
     return subprocess.Popen(command, env=env)

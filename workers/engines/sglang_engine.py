@@ -27,12 +27,13 @@ import json
 import socket
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import structlog
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from schemas.registry import BootstrapEndpoint
@@ -54,8 +55,11 @@ log = structlog.get_logger(__name__)
 DEFAULT_STREAM_INTERVAL = 1
 
 
-@dataclass(frozen=True, slots=True)
-class SGLangEngineConfig:
+class SGLangEngineConfig(BaseSettings):
+    """Read from CONVEYOR_SGLANG_* variables (e.g. CONVEYOR_SGLANG_MEM_FRACTION_STATIC=0.3 to share a GPU)."""
+
+    model_config = SettingsConfigDict(env_prefix="CONVEYOR_SGLANG_", frozen=True)
+
     model_path: str
     role: DisaggregationRole = DisaggregationRole.NONE
     load_format: str = "auto"
@@ -73,8 +77,8 @@ class SGLangEngineConfig:
     # ZMQ endpoint SGLang publishes KV events on (0 picks a free local port).
     kv_events_port: int = 0
     enable_memory_saver: bool = False
-    # Any other ServerArgs field, passed through unchanged.
-    extra_server_args: dict[str, Any] = field(default_factory=dict)
+    # Any other ServerArgs field, passed through unchanged (JSON in CONVEYOR_SGLANG_EXTRA_SERVER_ARGS).
+    extra_server_args: dict[str, Any] = Field(default_factory=dict)
 
 
 def server_args(config: SGLangEngineConfig, kv_events_port: int, bootstrap_port: int) -> dict[str, Any]:
