@@ -82,6 +82,21 @@ def test_engine_arguments_turn_on_deltas_kv_events_and_disaggregation() -> None:
     assert "disaggregation_mode" not in server_args(SGLangEngineConfig(model_path="/m"), 1, 2)
 
 
+def test_bootstrap_arguments_by_role() -> None:
+    from schemas.tasks import BootstrapInfo
+    from workers.engines.protocol import UnsupportedOption
+    from workers.engines.sglang_engine import FAKE_BOOTSTRAP_HOST, bootstrap_arguments
+
+    room = BootstrapInfo(bootstrap_host="10.0.0.5", bootstrap_port=8998, bootstrap_room=42)
+    assert bootstrap_arguments(GenerateRequest("r", [1], bootstrap=room), DisaggregationRole.DECODE) == {
+        "bootstrap_host": "10.0.0.5", "bootstrap_port": 8998, "bootstrap_room": 42}
+    assert bootstrap_arguments(GenerateRequest("r", [1]), DisaggregationRole.NONE) == {}
+    canary = bootstrap_arguments(GenerateRequest("c", [1], health_check=True), DisaggregationRole.PREFILL)
+    assert canary["bootstrap_host"] == FAKE_BOOTSTRAP_HOST and 0 <= canary["bootstrap_room"] < 2**63
+    with pytest.raises(UnsupportedOption, match="bootstrap"):
+        bootstrap_arguments(GenerateRequest("r", [1]), DisaggregationRole.DECODE)
+
+
 def sglang_frame(seq: int, events: list[list[object]], rank: int | None = 0) -> list[bytes]:
     """What SGLang's ZmqEventPublisher sends: msgspec array_like batch of tagged-array events."""
     payload = msgpack.packb([1700000000.5, events, rank])

@@ -177,7 +177,8 @@ async def run_canary(engine: Engine, request_id: str) -> None:
     """A 1-token greedy request through the engine: the health check behind /ready."""
     from schemas.sampling import SamplingOptions, StopConditions
 
-    request = GenerateRequest(request_id, CANARY.token_ids, SamplingOptions(temperature=0.0), StopConditions(max_tokens=1))
+    request = GenerateRequest(request_id, CANARY.token_ids, SamplingOptions(temperature=0.0), StopConditions(max_tokens=1),
+                              health_check=True)
     async for output in engine.generate(request):
         if output.finished:
             if output.finish_reason not in (FinishReason.LENGTH, FinishReason.STOP):

@@ -53,6 +53,8 @@ class GenerateRequest:
     # Prefill role: the room this prompt's KV is handed over in. Decode role: where to fetch it.
     bootstrap: BootstrapInfo | None = None
     priority: int | None = None
+    # A canary: an engine in a disaggregated role runs it without a real KV transfer.
+    health_check: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -47,6 +48,7 @@ from workers.engines.protocol import (
     GenerateRequest,
     KvEventBatchOut,
     MemoryTag,
+    UnsupportedOption,
 )
 
 log = structlog.get_logger(__name__)
@@ -141,6 +143,29 @@ def sampling_params(request: GenerateRequest) -> dict[str, Any]:
         else:
             params["regex"] = request.guided.regex
     return {key: value for key, value in params.items() if value is not None}
+
+
+# SGLang's marker for a transfer that goes nowhere (`sglang.srt.disaggregation.utils`), which Dynamo
+# also uses to warm prefill engines up.
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+
+
+def bootstrap_arguments(request: GenerateRequest, role: DisaggregationRole) -> dict[str, Any]:
+    """`bootstrap_*` arguments of `async_generate` for this request on an engine in this role.
+
+    SGLang refuses a request without a bootstrap room in a disaggregated role (found on the H100:
+    "Disaggregated request received without bootstrap room id"), so a health check there gets a fake
+    transfer, as Dynamo's warm-up does; any other request must carry real bootstrap info.
+    """
+    if request.bootstrap is not None:
+        return {"bootstrap_host": request.bootstrap.bootstrap_host, "bootstrap_port": request.bootstrap.bootstrap_port,
+                "bootstrap_room": request.bootstrap.bootstrap_room}
+    if role == DisaggregationRole.NONE:
+        return {}
+    if request.health_check:
+        return {"bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_room": random.getrandbits(63)}
+    raise UnsupportedOption(f"this engine serves the {role.value} side of disaggregated serving: "
+                            "requests need bootstrap info (route them through a prefill worker)")
 
 
 def finish_of(meta_info: dict[str, Any]) -> tuple[FinishReason | None, str | int | None, str | None]:
@@ -334,10 +359,7 @@ class SGLangEngine:
         }
         if request.output.logprobs and request.output.top_logprobs:
             kwargs["top_logprobs_num"] = request.output.top_logprobs
-        if request.bootstrap is not None:
-            kwargs.update(bootstrap_host=request.bootstrap.bootstrap_host,
-                          bootstrap_port=request.bootstrap.bootstrap_port,
-                          bootstrap_room=request.bootstrap.bootstrap_room)
+        kwargs.update(bootstrap_arguments(request, self.config.role))
         if request.priority is not None:
             kwargs["priority"] = request.priority
         stream = await self._engine.async_generate(**kwargs)
