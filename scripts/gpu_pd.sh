@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Disaggregated serving with SGLang on ONE GPU: prefill and decode engines share it, so they start
+# one after the other — SGLang's mem_fraction_static caps the GPU memory in use *as it finds it*,
+# so the second engine's fraction must cover the first's too. Run through scripts/gpu_run.sh.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MODEL=${MODEL:-.gpu/smol}
+PORT=${PORT:-4333}
+export CONVEYOR_NATS_URLS=nats://127.0.0.1:$PORT CONVEYOR_REGISTRY_TTL_S=30
+say() { printf '[gpu-pd] %s\n' "$*" >&2; }
+wait_for() {  # wait_for STAGE: until the registry lists a ready worker of that stage
+    for _ in $(seq 1 300); do
+        if python3 -m workers.cli status 2>/dev/null | grep -E "^\S+\s+$1\s" | grep -q " yes "; then return 0; fi
+        sleep 1
+    done
+    say "$1 worker not ready in time"; return 1
+}
+python3 -m workers.cli server --port "$PORT" --store-dir /tmp/pd-nats --monitor-port 0 &
+pids=($!)
+trap 'kill -TERM "${pids[@]}" 2>/dev/null; wait' EXIT
+sleep 2
+common=(--engine sglang --mode disaggregated --model "$MODEL" --load-format dummy --log-level WARNING)
+say "starting the prefill engine (35% of the GPU)"
+CONVEYOR_SGLANG_MEM_FRACTION_STATIC=0.35 python3 -m workers.cli worker prefill "${common[@]}" & pids+=($!)
+wait_for prefill
+say "starting the decode engine (up to 80% of the GPU, the prefill's share included)"
+CONVEYOR_SGLANG_MEM_FRACTION_STATIC=0.8 python3 -m workers.cli worker decode "${common[@]}" & pids+=($!)
+wait_for decode
+python3 -m workers.cli worker processor --engine sglang --model "$MODEL" --log-level WARNING & pids+=($!)
+wait_for processor
+python3 -m workers.cli status
+for question in "What is the capital of France?" "Name three colours."; do
+    python3 -m workers.cli ask "$question" --model "$MODEL" --max-tokens 24 --temperature 0
+done
