@@ -81,11 +81,19 @@ async def live_workers(bucket: KeyValue) -> list[WorkerCard]:
 
 
 def ready_models(cards: list[WorkerCard]) -> dict[str, ServingMode]:
-    """Models for which every stage of their mode has at least one ready worker."""
+    """Models for which every stage of their mode has at least one ready worker.
+
+    A processor routes every mode, so its card counts for all of them whatever mode it was started in.
+    """
+    ready = [card for card in cards if card.ready]
+    processors = {card.model for card in ready if card.stage == Stage.PROCESSOR}
     ready_stages: dict[tuple[str, ServingMode], set[Stage]] = {}
-    for card in cards:
-        if card.ready:
-            ready_stages.setdefault((card.model, card.mode), set()).add(card.stage)
+    for card in ready:
+        if card.stage != Stage.PROCESSOR:
+            stages = ready_stages.setdefault((card.model, card.mode), set())
+            stages.add(card.stage)
+            if card.model in processors:
+                stages.add(Stage.PROCESSOR)
     return {
         model: mode for (model, mode), stages in ready_stages.items() if REQUIRED_STAGES[mode] <= stages
     }

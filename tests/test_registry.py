@@ -55,3 +55,6 @@ def test_model_is_ready_only_when_every_stage_of_its_mode_is_ready() -> None:
     assert ready_models([*disagg, card("f", Stage.PREFILL, mode=ServingMode.DISAGGREGATED)]) == {
         "m": ServingMode.DISAGGREGATED
     }
+    # A processor started without --mode still routes the disaggregated pipeline.
+    assert ready_models([processor, card("f", Stage.PREFILL, mode=ServingMode.DISAGGREGATED),
+                         card("d", Stage.DECODE, mode=ServingMode.DISAGGREGATED)]) == {"m": ServingMode.DISAGGREGATED}
