@@ -17,7 +17,12 @@ wait_for() {  # wait_for STAGE: until the registry lists a ready worker of that 
 }
 python3 -m workers.cli server --port "$PORT" --store-dir /tmp/pd-nats --monitor-port 0 &
 pids=($!)
-trap 'kill -TERM "${pids[@]}" 2>/dev/null; wait' EXIT
+stop_all() {
+    kill -TERM "${pids[@]}" 2>/dev/null || true
+    for _ in $(seq 1 30); do kill -0 "${pids[@]}" 2>/dev/null || return 0; sleep 1; done
+    kill -KILL "${pids[@]}" 2>/dev/null || true
+}
+trap stop_all EXIT
 sleep 2
 common=(--engine sglang --mode disaggregated --model "$MODEL" --load-format dummy --log-level WARNING)
 say "starting the prefill engine (35% of the GPU)"

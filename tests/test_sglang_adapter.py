@@ -79,6 +79,8 @@ def test_engine_arguments_turn_on_deltas_kv_events_and_disaggregation() -> None:
     assert json.loads(args["kv_events_config"]) == {"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}
     assert args["disaggregation_mode"] == "prefill" and args["disaggregation_bootstrap_port"] == 8998
     assert args["disaggregation_transfer_backend"] == "nixl" and args["attention_backend"] == "triton"
+    # The bootstrap server binds where the adapter advertises it (found on the H100).
+    assert args["host"] == "127.0.0.1"
     assert "disaggregation_mode" not in server_args(SGLangEngineConfig(model_path="/m"), 1, 2)
 
 

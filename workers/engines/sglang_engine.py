@@ -75,6 +75,10 @@ class SGLangEngineConfig(BaseSettings):
     stream_interval: int = DEFAULT_STREAM_INTERVAL
     # PD disaggregation: bootstrap port of a prefill engine (0 picks a free one) and the transfer.
     bootstrap_port: int = 0
+    # SGLang's prefill bootstrap server binds to its `host` (127.0.0.1 by default), and decode engines
+    # connect to what we advertise: this address, or this host's own when it is 0.0.0.0. Set a
+    # routable address (or 0.0.0.0) when prefill and decode run on different machines.
+    bootstrap_host: str = "127.0.0.1"
     transfer_backend: str = "nixl"
     # ZMQ endpoint SGLang publishes KV events on (0 picks a free local port).
     kv_events_port: int = 0
@@ -111,6 +115,7 @@ def server_args(config: SGLangEngineConfig, kv_events_port: int, bootstrap_port:
     args.update({key: value for key, value in optional.items() if value is not None})
     if config.role != DisaggregationRole.NONE:
         args["disaggregation_mode"] = config.role.value
+        args["host"] = config.bootstrap_host
         args["disaggregation_transfer_backend"] = config.transfer_backend
         args["disaggregation_bootstrap_port"] = bootstrap_port
     args.update(config.extra_server_args)
@@ -335,7 +340,8 @@ class SGLangEngine:
             eos_token_ids=tuple(sorted(manager.model_config.hf_eos_token_id or ())),
         )
         if self.config.role == DisaggregationRole.PREFILL:
-            self._bootstrap = BootstrapEndpoint(host=_host_ip(), port=bootstrap_port)
+            advertised = _host_ip() if self.config.bootstrap_host in ("0.0.0.0", "::") else self.config.bootstrap_host
+            self._bootstrap = BootstrapEndpoint(host=advertised, port=bootstrap_port)
         self._relay = KvEventRelay(f"tcp://127.0.0.1:{kv_port}")
         await self._relay.start()
         self._load_task = asyncio.create_task(self._refresh_load())
