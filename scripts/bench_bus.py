@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import sys
 import time
 from dataclasses import dataclass

@@ -26,7 +26,6 @@ from tests.conftest import Bus, bus_settings
 from tests.helpers import open_stream, wait_until
 from tests.pipeline_helpers import (
     MOCK,
-    RecordingMockEngine,
     chat,
     client_of,
     completion,

@@ -3,7 +3,6 @@ cancel during prefill stops the request and frees the prefill engine's blocks.""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from schemas.registry import ServingMode, Stage

@@ -12,7 +12,7 @@ from schemas.kv_events import BlockRemoved, BlockStored
 from schemas.replies import FinishReason
 from schemas.sampling import GuidedDecoding, OutputOptions, SamplingOptions, StopConditions
 from workers.engines.protocol import GenerateOutput, GenerateRequest, KvEventBatchOut, MemoryTag, UnsupportedOption
-from workers.engines.kv_hashing import block_hash, chain_hashes
+from workers.engines.kv_hashing import block_hash
 from workers.engines.torch_engine.engine import TorchEngine, TorchEngineConfig
 
 GREEDY = SamplingOptions(temperature=0.0)
