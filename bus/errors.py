@@ -19,17 +19,13 @@ class PayloadTooLarge(ValueError):
 
 class RejectRequest(Exception):
     """Raised by a handler for a request that can never succeed: the client gets an error frame
-    with this code and the task is acked (retrying it would fail the same way)."""
+    with this code and the task is acked (retrying it would fail the same way). Any other exception
+    counts as transient: the task is redelivered after a backoff, up to the consumer's max_deliver."""
 
     def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
-
-
-class RetryLater(Exception):
-    """Raised by a handler for a transient failure: the task is redelivered after a backoff, up to
-    the consumer's max_deliver. Any other unexpected exception is treated the same way."""
 
 
 class RemoteError(Exception):

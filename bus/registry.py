@@ -40,8 +40,13 @@ class Registration:
         self._task = asyncio.create_task(self._refresh_loop(), name=f"registry-{self.card.worker_id}")
 
     async def update(self, card: WorkerCard) -> None:
+        """Replace the card and write it now (readiness changes must not wait for the next beat)."""
         self.card = card
         await self._write()
+
+    def refresh(self, card: WorkerCard) -> None:
+        """Replace the card; the next heartbeat writes it (for slowly changing figures like KV use)."""
+        self.card = card
 
     async def close(self) -> None:
         self._closing.set()

@@ -36,7 +36,6 @@ from schemas.codec import decode_as, encode
 from schemas.replies import (
     REPLY_FRAME,
     ChatCompletionChunk,
-    Embedding,
     EmbeddingResult,
     ErrorCode,
     ErrorFrame,
@@ -139,9 +138,6 @@ class ReplySender:
     async def fail(self, code: ErrorCode, message: str, retryable: bool = False) -> None:
         await self._flush()
         await self._send_terminal(ErrorFrame, code=code, message=message, retryable=retryable)
-
-    async def send_embedding(self, model: str, data: list[Embedding], usage: Usage) -> None:
-        await self._send_terminal(EmbeddingResult, model=model, data=data, usage=usage)
 
     async def heartbeat(self) -> None:
         await self._publish(Heartbeat)

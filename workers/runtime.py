@@ -267,10 +267,7 @@ class WorkerRuntime:
                 KV_USAGE.labels(**labels).set(load.kv_usage)
                 CACHE_HIT_RATE.labels(**labels).set(load.cache_hit_rate)
             if self._registration is not None and self._not_ready_reason in (None, "canary failed"):
-                try:
-                    await self._registration.update(self._card(ready=self.ready))
-                except Exception as error:  # NATS briefly away: the next round tries again
-                    log.warning("registry.update_failed", error=repr(error))
+                self._registration.refresh(self._card(ready=self.ready))
 
     async def _canary_loop(self) -> None:
         while not await sleep_unless(self._stopping, self.options.canary_interval_s):

@@ -558,10 +558,6 @@ class TorchEngine:
         if MemoryTag.KV_CACHE in tags and self._kv_cache is None:
             self._kv_cache = self._allocate_kv_cache()
 
-    @property
-    def memory_released(self) -> bool:
-        return self._kv_cache is None or self.model is None
-
     async def start_profile(self, output_dir: Path) -> None:
         def begin() -> None:
             if self._profiler is not None:
