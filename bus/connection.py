@@ -29,14 +29,21 @@ def tls_context(settings: NatsSettings) -> ssl.SSLContext | None:
     return context
 
 
-async def connect(settings: NatsSettings, name: str) -> Client:
-    """Open a connection; raises `ConnectionError` with the URLs tried when none answers."""
+async def connect(settings: NatsSettings, name: str, on_reconnected: Callback | None = None) -> Client:
+    """Open a connection; raises `ConnectionError` with the URLs tried when none answers.
+
+    nats-py re-subscribes by itself after a reconnect, but what the server kept in memory (or all of
+    it, when the server came back with an empty store) is gone: `on_reconnected` is where the
+    caller declares it again. It runs inside the client's reconnect path, so it must return quickly.
+    """
 
     async def on_disconnect() -> None:
         log.info("nats.disconnected", name=name)
 
     async def on_reconnect() -> None:
         log.info("nats.reconnected", name=name)
+        if on_reconnected is not None:
+            await on_reconnected()
 
     async def on_error(error: Exception) -> None:
         log.warning("nats.error", name=name, error=str(error))

@@ -161,12 +161,16 @@ class WorkConsumer(Generic[TaskT]):
 
     async def bind(self) -> None:
         """Declare the shared durable consumer (idempotent) and bind a pull subscription to it."""
-        stream = self._names.work_stream(self.stage)
+        durable = await self.declare()
+        self._subscription = await self._js.pull_subscribe_bind(durable=durable, stream=self._names.work_stream(self.stage))
+
+    async def declare(self) -> str:
+        """Declare the shared durable consumer (idempotent; again after a server lost it); its name."""
         max_ack_pending = max(1024, self._options.max_concurrency * 64)
         config = work_consumer_config(self._names, self.stage, self.model, self._settings, max_ack_pending)
-        await ensure_work_consumer(self._js, config, stream)
+        await ensure_work_consumer(self._js, config, self._names.work_stream(self.stage))
         assert config.durable_name is not None
-        self._subscription = await self._js.pull_subscribe_bind(durable=config.durable_name, stream=stream)
+        return config.durable_name
 
     async def run(self) -> None:
         """Pull and handle work until `stop()`; returns once the loop has stopped fetching."""

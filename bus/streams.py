@@ -112,7 +112,8 @@ async def ensure_registry_bucket(js: JetStreamContext, names: Names, settings: B
             description="Conveyor worker cards",
             ttl=settings.registry_ttl_s,
             history=1,
-            storage=StorageType.MEMORY,
+            # On disk, so the cards outlive a server restart: the pipeline is ready the moment it is back.
+            storage=StorageType.FILE,
         )
         return await js.create_key_value(config)
 

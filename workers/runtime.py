@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import structlog
 from aiohttp import web
 from pydantic import BaseModel, TypeAdapter, ValidationError
+from tenacity import AsyncRetrying, wait_exponential
 
 from bus.cancel import CancelRegistry
 from bus.connection import connect
@@ -40,7 +41,7 @@ from bus.metrics import CACHE_HIT_RATE, ENGINE_RUNNING, ENGINE_WAITING, KV_EVENT
 from bus.publish import TaskPublisher
 from bus.registry import Registration, live_workers
 from bus.settings import BusSettings, NatsSettings
-from bus.streams import declare_all
+from bus.streams import declare_all, ensure_registry_bucket
 from bus.subjects import Names
 from schemas.codec import WIRE_VERSION
 from schemas.registry import BootstrapEndpoint, KvCapacity, ServingMode, Stage, WorkerCard
@@ -133,6 +134,9 @@ class WorkerRuntime:
         self._registration: Registration | None = None
         self._health: HealthServer | None = None
         self._background: list[asyncio.Task[None]] = []
+        self._recovery: asyncio.Task[None] | None = None
+        self._js: Any = None
+        self._max_payload = 0
         self.started = asyncio.Event()
 
     @property
@@ -146,8 +150,10 @@ class WorkerRuntime:
         """Serve until `request_stop()` or a signal, then shut down cleanly."""
         stage_value = self.options.stage.value
         structlog.contextvars.bind_contextvars(stage=stage_value, worker_id=self.options.worker_id)
-        nc = await connect(self._nats, name=f"conveyor-{stage_value}-{self.options.worker_id}")
+        nc = await connect(self._nats, name=f"conveyor-{stage_value}-{self.options.worker_id}",
+                           on_reconnected=self._on_reconnected)
         js = nc.jetstream()
+        self._js, self._max_payload = js, nc.max_payload
         bucket = await declare_all(js, self._names, self._bus, nc.max_payload)
         cancels = CancelRegistry(nc, js, self._names, self._bus.cancel_ttl_s)
         await cancels.start()
@@ -172,7 +178,10 @@ class WorkerRuntime:
             )
             await self._stage.canary()
             await self._consumer.bind()
-            self._registration = Registration(bucket, self._card(ready=True), self._bus.registry_ttl_s)
+            self._registration = Registration(
+                bucket, self._card(ready=True), self._bus.registry_ttl_s,
+                reopen=lambda: ensure_registry_bucket(js, self._names, self._bus),
+            )
             await self._registration.open()
             self._set_ready(None)
             self._start_background(js)
@@ -186,7 +195,7 @@ class WorkerRuntime:
             await self._shutdown(consumer_loop)
         finally:
             self._stopping.set()
-            await stop_tasks(self._background)
+            await stop_tasks([*self._background, *([self._recovery] if self._recovery else [])])
             await self._stage.stop()
             await cancels.stop()
             if self._health is not None:
@@ -202,6 +211,33 @@ class WorkerRuntime:
         await self._consumer.stop(grace_s=self.options.shutdown_grace_s)
         await consumer_loop
         await self._registration.close()
+
+    async def _on_reconnected(self) -> None:
+        # Called inside nats-py's reconnect path: recover in a task of our own, one at a time.
+        if self._stopping.is_set() or self._js is None:
+            return
+        if self._recovery is not None and not self._recovery.done():
+            self._recovery.cancel()
+        self._recovery = asyncio.create_task(self._recover(), name="recover")
+
+    async def _recover(self) -> None:
+        """Put back what a restarted server lost: streams and bucket (a fresh store has none), this
+        stage's consumer, and the card, written now rather than at the next heartbeat. JetStream
+        answers a moment after the server accepts clients, so this retries with backoff."""
+        retrying = AsyncRetrying(wait=wait_exponential(multiplier=0.1, max=2.0),
+                                 stop=lambda _: self._stopping.is_set(), reraise=True)
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    await declare_all(self._js, self._names, self._bus, self._max_payload)
+                    if self._consumer is not None:
+                        await self._consumer.declare()
+                    if self._registration is not None:
+                        await self._registration.write_now()
+        except Exception as error:
+            log.warning("worker.recovery_abandoned", error=repr(error))
+            return
+        log.info("worker.recovered_after_reconnect")
 
     def _install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
