@@ -1,4 +1,4 @@
-"""Stopping background tasks reliably.
+"""Stopping background tasks reliably, and child processes that never outlive their parent.
 
 nats-py turns a cancellation that lands inside a request into its own TimeoutError in places, so a
 loop that catches `Exception` around NATS calls can swallow a `cancel()`. Loops here therefore stop
@@ -8,7 +8,10 @@ on an event, and stopping never waits unboundedly for a task to notice.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+import ctypes
+import signal
+import sys
+from collections.abc import Callable, Iterable
 
 import structlog
 
@@ -33,3 +36,23 @@ async def stop_tasks(tasks: Iterable[asyncio.Task[object]], timeout_s: float = 5
     _, stuck = await asyncio.wait(pending, timeout=timeout_s)
     for task in stuck:
         log.warning("task.did_not_stop", task=task.get_name(), timeout_s=timeout_s)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def dies_with_parent(signum: signal.Signals = signal.SIGTERM) -> Callable[[], None] | None:
+    """A `preexec_fn` for `subprocess.Popen`: the child gets `signum` when its parent dies, even by
+    SIGKILL, so no nats-server or worker is left holding a port or a store. Linux only (None
+    elsewhere, where only an orderly stop of the parent stops its children).
+
+    The kernel sends it when the *thread* that forked exits: start such children from the main thread.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def set_parent_death_signal() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, int(signum))
+
+    return set_parent_death_signal

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from bus.lifecycle import dies_with_parent
+
 _READY_LINE = "Server is ready"
 
 
@@ -94,9 +96,12 @@ class EmbeddedNatsServer:
         return wrapper
 
     def start(self, timeout_s: float = 15.0) -> str:
+        """Start and wait until ready. Call it from the main thread: the server is tied to the thread
+        that starts it and stops when that thread's process dies (`dies_with_parent`)."""
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self.log_file.unlink(missing_ok=True)
-        self._process = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self._process = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                         preexec_fn=dies_with_parent())
         self._wait_ready(timeout_s)
         return self.url
 

@@ -108,11 +108,15 @@ def server(
 
     from bus.server import EmbeddedNatsServer
 
+    stop_signals = {signal.SIGINT, signal.SIGTERM}
     embedded = EmbeddedNatsServer(host=host, port=port, store_dir=store_dir, monitor_port=monitor_port)
-    url = embedded.start()
-    typer.echo(f"nats-server ready at {url} (JetStream store {store_dir}); Ctrl-C stops it", err=True)
     try:
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        url = embedded.start()
+        # Blocked (after the start: a child inherits the mask), or SIGTERM's default action would end us
+        # before sigwait sees it and leave the server behind.
+        signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+        typer.echo(f"nats-server ready at {url} (JetStream store {store_dir}); Ctrl-C stops it", err=True)
+        signal.sigwait(stop_signals)
     finally:
         embedded.stop()
 

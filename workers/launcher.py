@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from bus.lifecycle import dies_with_parent
 from bus.registry import ready_models
 from bus.client import open_client
 from bus.settings import BusSettings, NatsSettings
@@ -46,6 +47,25 @@ def stages_for(mode: ServingMode) -> list[Stage]:
 
 
 async def run_up(nats: NatsSettings, bus: BusSettings, embedded: bool, options: UpOptions) -> int:
+    """Run the pipeline until done; SIGINT / SIGTERM at any point (even while the model loads) stops the
+    workers and the embedded server before returning, so nothing is left running."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    body = asyncio.create_task(_run(nats, bus, embedded, options, stop))
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait([body, stopped], return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not body.done():
+        progress("stopping")
+        body.cancel()
+        await asyncio.gather(body, return_exceptions=True)
+        return 130
+    return body.result()
+
+
+async def _run(nats: NatsSettings, bus: BusSettings, embedded: bool, options: UpOptions, stop: asyncio.Event) -> int:
     async with nats_url_or_embedded(nats, embedded) as nats:
         workers = [_spawn(stage, nats, bus, options) for stage in stages_for(options.mode)
                    for _ in range(options.decode_replicas if stage == Stage.DECODE else 1)]
@@ -61,10 +81,11 @@ async def run_up(nats: NatsSettings, bus: BusSettings, embedded: bool, options: 
             if options.exit_after_question:
                 return 0
             progress("pipeline running; Ctrl-C stops it")
-            await _wait_for_signal_or_exit(workers)
+            await _wait_for_stop_or_exit(workers, stop)
             return 0
         finally:
-            await _stop(workers)
+            # Shielded: a second Ctrl-C must not leave workers behind half-stopped.
+            await asyncio.shield(_stop(workers))
 
 
 def _spawn(stage: Stage, nats: NatsSettings, bus: BusSettings, options: UpOptions) -> subprocess.Popen[bytes]:
@@ -73,7 +94,8 @@ def _spawn(stage: Stage, nats: NatsSettings, bus: BusSettings, options: UpOption
                "--load-format", options.load_format]
     env = {**os.environ, "CONVEYOR_NATS_URLS": ",".join(nats.urls), "CONVEYOR_NAMESPACE": bus.namespace}
     progress(f"starting {stage.value} worker ({options.engine} engine)")
-    return subprocess.Popen(command, env=env)
+    # SIGTERM when `up` dies, even by SIGKILL: the worker drains and deregisters instead of lingering.
+    return subprocess.Popen(command, env=env, preexec_fn=dies_with_parent(signal.SIGTERM))
 
 
 async def _wait_ready(nats: NatsSettings, bus: BusSettings, options: UpOptions,
@@ -97,11 +119,7 @@ async def _wait_ready(nats: NatsSettings, bus: BusSettings, options: UpOptions,
     raise TimeoutError(f"the pipeline was not ready within {options.ready_timeout_s:.0f} s")
 
 
-async def _wait_for_signal_or_exit(workers: list[subprocess.Popen[bytes]]) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+async def _wait_for_stop_or_exit(workers: list[subprocess.Popen[bytes]], stop: asyncio.Event) -> None:
     while not stop.is_set():
         if any(w.poll() is not None for w in workers):
             progress("a worker exited; stopping the pipeline")
@@ -123,4 +141,5 @@ async def _stop(workers: list[subprocess.Popen[bytes]], grace_s: float = 30.0) -
             await asyncio.to_thread(worker.wait, remaining)
         except subprocess.TimeoutExpired:
             worker.kill()
+            await asyncio.to_thread(worker.wait)
     progress("workers stopped")

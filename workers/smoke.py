@@ -40,7 +40,7 @@ async def nats_url_or_embedded(nats: NatsSettings, embedded: bool) -> AsyncItera
         return
     server = EmbeddedNatsServer()
     progress("starting embedded nats-server with JetStream ...")
-    url = await asyncio.to_thread(server.start)
+    url = server.start()  # in the main thread, so the server dies with this process (dies_with_parent)
     progress(f"nats-server ready at {url} (store {server.store_dir})")
     try:
         yield nats.model_copy(update={"urls": [url]})
