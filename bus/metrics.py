@@ -44,3 +44,9 @@ KV_USAGE = Gauge("conveyor_kv_cache_usage_ratio", "Used fraction of the engine's
 CACHE_HIT_RATE = Gauge("conveyor_prefix_cache_hit_ratio", "Prompt tokens served from the prefix cache", ["stage", "model"])
 KV_EVENT_BATCHES = Counter("conveyor_kv_event_batches_total", "KV-event batches relayed to the stream", ["stage"])
 WORKER_READY = Gauge("conveyor_worker_ready", "1 when the worker takes work", ["stage"])
+
+# Multimodal: the encode stage's embedding cache (result: hit | miss) and its NIXL handoffs
+# (outcome: read | cancelled | expired).
+MEDIA_CACHE = Counter("conveyor_media_cache_total", "Image embedding cache lookups", ["result"])
+EMBEDDING_HANDOFFS = Counter("conveyor_embedding_handoffs_total", "Embedding buffers offered over NIXL, by how they ended",
+                             ["outcome"])

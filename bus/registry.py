@@ -20,7 +20,8 @@ log = structlog.get_logger(__name__)
 REQUIRED_STAGES: dict[ServingMode, frozenset[Stage]] = {
     ServingMode.AGGREGATED: frozenset({Stage.PROCESSOR, Stage.DECODE}),
     ServingMode.DISAGGREGATED: frozenset({Stage.PROCESSOR, Stage.PREFILL, Stage.DECODE}),
-    ServingMode.MULTIMODAL: frozenset({Stage.PROCESSOR, Stage.ENCODE, Stage.DECODE}),
+    ServingMode.ENCODE_AGGREGATED: frozenset({Stage.PROCESSOR, Stage.ENCODE, Stage.DECODE}),
+    ServingMode.ENCODE_DISAGGREGATED: frozenset({Stage.PROCESSOR, Stage.ENCODE, Stage.PREFILL, Stage.DECODE}),
     ServingMode.EMBEDDING: frozenset({Stage.PROCESSOR, Stage.EMBED}),
 }
 

@@ -25,7 +25,8 @@ class Stage(StrEnum):
 class ServingMode(StrEnum):
     AGGREGATED = "aggregated"  # processor → decode
     DISAGGREGATED = "disaggregated"  # processor → prefill → decode
-    MULTIMODAL = "multimodal"  # processor → encode → (prefill →) decode
+    ENCODE_AGGREGATED = "encode-aggregated"  # E/PD: processor → encode → decode
+    ENCODE_DISAGGREGATED = "encode-disaggregated"  # E/P/D: processor → encode → prefill → decode
     EMBEDDING = "embedding"  # processor → embed
 
 
@@ -54,4 +55,6 @@ class WorkerCard(WireModel):
     kv: KvCapacity | None = None
     context_length: int | None = None
     ready: bool = False
+    # Takes image requests itself: an encode worker, or an LLM worker that encodes in-process (EPD).
+    accepts_media: bool = False
     wire_version: int

@@ -174,12 +174,14 @@ ModelOption = Annotated[
 EngineOption = Annotated[str, typer.Option("--engine", envvar="CONVEYOR_ENGINE",
                                            help="torch (embedded, default), mock (simulated) or sglang (GPU).")]
 ModeOption = Annotated[str, typer.Option("--mode", envvar="CONVEYOR_MODE",
-                                         help="aggregated (processor → decode) or disaggregated (→ prefill → decode).")]
+                                         help="aggregated (processor → decode; images encoded by the decode worker: EPD), "
+                                              "disaggregated (→ prefill → decode), encode-aggregated (→ encode → decode: "
+                                              "E/PD) or encode-disaggregated (→ encode → prefill → decode: E/P/D).")]
 
 
 @app.command()
 def worker(
-    stage: Annotated[str, typer.Argument(help="processor, prefill or decode.")],
+    stage: Annotated[str, typer.Argument(help="processor, encode, prefill or decode.")],
     model: Annotated[list[str] | None, typer.Option("--model", envvar="CONVEYOR_MODEL", help="Model to serve (processor: repeat for several). Default: SmolLM2-135M-Instruct.")] = None,
     engine: EngineOption = "torch",
     mode: ModeOption = "aggregated",

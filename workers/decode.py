@@ -31,8 +31,9 @@ from bus.replies import ReplySender
 from schemas.client import StreamFormat
 from schemas.registry import Stage
 from schemas.replies import ChatChunkChoice, ChatCompletionChunk, ChatDelta, ErrorCode, FinishReason, Usage
-from schemas.tasks import DecodeTask
+from schemas.tasks import DecodeTask, PrefillTask
 from workers.engines.protocol import Engine, GenerateOutput, GenerateRequest, TransferFailed, UnsupportedOption
+from workers.media import ImageInputs, MediaError
 from workers.runtime import StageContext
 
 log = structlog.get_logger(__name__)
@@ -44,9 +45,15 @@ CANARY_PROMPT = [1, 2, 3, 4]
 class DecodeStage:
     task_type = DecodeTask
 
-    def __init__(self, engine: Engine, model: str) -> None:
+    def __init__(self, engine: Engine, model: str, images: ImageInputs | None = None) -> None:
         self._engine = engine
         self.model = model
+        self._images = images
+
+    @property
+    def accepts_media(self) -> bool:
+        """Whether images can be sent here without an encode worker (EPD: encoded in-process)."""
+        return self._images is not None and self._images.encoder is not None
 
     @property
     def engine(self) -> Engine:
@@ -75,9 +82,14 @@ class DecodeStage:
                                       "send the request again", retryable=True)
             REQUESTS.labels(stage=Stage.DECODE.value, model=self.model, outcome="worker_lost").inc()
             return
+        images = await resolve_images(self._images, task, delivery)
+        if images is None:
+            return
+        token_ids, image_rows = images
         request = GenerateRequest(
             request_id=task.request_id,
-            token_ids=task.request.token_ids,
+            token_ids=token_ids,
+            image_rows=image_rows,
             sampling=task.request.sampling,
             stop=task.request.stop,
             output=task.request.output,
@@ -160,6 +172,23 @@ class _Shaper:
                 usage=usage,
             )
         return fields
+
+
+async def resolve_images(images: ImageInputs | None, task: DecodeTask | PrefillTask,
+                         delivery: Delivery) -> tuple[list[int], Any] | None:
+    """The prompt and image rows to run: read over NIXL (E/PD, E/P/D) or encoded here (EPD). None when
+    the client was already told why not (the encode worker's buffer is gone: retryable)."""
+    if images is None:
+        if task.media_embeddings is not None or task.request.media:
+            raise RejectRequest(ErrorCode.UNSUPPORTED, "this worker has no image path; start encode workers for the model")
+        return task.request.token_ids, None
+    try:
+        return await images.resolve(task.request_id, task.request.token_ids, task.request.media, task.media_embeddings)
+    except MediaError as error:
+        raise RejectRequest(error.code, str(error)) from error
+    except TransferFailed as error:
+        await delivery.reply.fail(ErrorCode.WORKER_LOST, f"image embeddings could not be read: {error}", retryable=True)
+        return None
 
 
 async def _abort_when_stopped(engine: Engine, request_id: str, delivery: Delivery, reply: ReplySender) -> None:

@@ -42,8 +42,12 @@ class UpOptions:
 
 
 def stages_for(mode: ServingMode) -> list[Stage]:
-    return [Stage.PROCESSOR, Stage.PREFILL, Stage.DECODE] if mode == ServingMode.DISAGGREGATED else [
-        Stage.PROCESSOR, Stage.DECODE]
+    """The worker processes a serving mode needs (EPD is `aggregated`: the decode worker encodes)."""
+    return {
+        ServingMode.DISAGGREGATED: [Stage.PROCESSOR, Stage.PREFILL, Stage.DECODE],
+        ServingMode.ENCODE_AGGREGATED: [Stage.PROCESSOR, Stage.ENCODE, Stage.DECODE],
+        ServingMode.ENCODE_DISAGGREGATED: [Stage.PROCESSOR, Stage.ENCODE, Stage.PREFILL, Stage.DECODE],
+    }.get(mode, [Stage.PROCESSOR, Stage.DECODE])
 
 
 async def run_up(nats: NatsSettings, bus: BusSettings, embedded: bool, options: UpOptions) -> int:

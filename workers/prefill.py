@@ -26,8 +26,9 @@ from bus.consumer import Delivery
 from bus.metrics import QUEUE_SECONDS, REQUESTS
 from schemas.registry import Stage
 from schemas.tasks import BootstrapInfo, DecodeTask, PrefillTask
-from workers.decode import run_canary
+from workers.decode import resolve_images, run_canary
 from workers.engines.protocol import Engine, GenerateOutput, GenerateRequest
+from workers.media import ImageInputs
 from workers.runtime import StageContext
 
 log = structlog.get_logger(__name__)
@@ -36,10 +37,15 @@ log = structlog.get_logger(__name__)
 class PrefillStage:
     task_type = PrefillTask
 
-    def __init__(self, engine: Engine, model: str) -> None:
+    def __init__(self, engine: Engine, model: str, images: ImageInputs | None = None) -> None:
         self._engine = engine
         self.model = model
+        self._images = images
         self._context: StageContext | None = None
+
+    @property
+    def accepts_media(self) -> bool:
+        return self._images is not None and self._images.encoder is not None
 
     @property
     def engine(self) -> Engine:
@@ -69,16 +75,21 @@ class PrefillStage:
         assert endpoint is not None
         room = task.bootstrap_room if task.bootstrap_room is not None else secrets.randbits(63)
         bootstrap = BootstrapInfo(bootstrap_host=endpoint.host, bootstrap_port=endpoint.port, bootstrap_room=room)
+        images = await resolve_images(self._images, task, delivery)
+        if images is None:
+            return
+        token_ids, image_rows = images
         request = GenerateRequest(
-            request_id=task.request_id, token_ids=task.request.token_ids, sampling=task.request.sampling,
+            request_id=task.request_id, token_ids=token_ids, image_rows=image_rows, sampling=task.request.sampling,
             stop=task.request.stop, output=task.request.output, guided=task.request.guided, bootstrap=bootstrap,
             priority=task.request.priority,
         )
         prefill = asyncio.create_task(_drain(self._engine.generate(request)))
         # Let the engine register the room before the decode side learns of it.
         await asyncio.sleep(0)
-        decode_task = DecodeTask(header=task.header, request=task.request, bootstrap=bootstrap,
-                                 media_embeddings=task.media_embeddings)
+        # The decode engine receives the KV of the prompt as run here (images expanded), not the images.
+        prompt = task.request.model_copy(update={"token_ids": token_ids, "media": []})
+        decode_task = DecodeTask(header=task.header, request=prompt, bootstrap=bootstrap)
         try:
             await self._context.publisher.publish(Stage.DECODE, decode_task, task.request_id, delivery.trace, model=self.model)
         except BaseException:

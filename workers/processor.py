@@ -19,6 +19,7 @@ values never reach here: the consumer answers them with `invalid_request` from t
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,11 +37,12 @@ from schemas.client import (
     GenerationRequest,
     ResponseFormat,
     TextPart,
+    VideoPart,
 )
 from schemas.registry import ServingMode, Stage, WorkerCard
 from schemas.replies import ErrorCode
 from schemas.sampling import GuidedDecoding, OutputOptions, SamplingOptions, StopConditions
-from schemas.tasks import DecodeTask, EmbedTask, PrefillTask, PreprocessedRequest, TaskHeader
+from schemas.tasks import DecodeTask, EmbedTask, EncodeTask, MediaItem, PrefillTask, PreprocessedRequest, TaskHeader
 from workers.runtime import StageContext
 
 log = structlog.get_logger(__name__)
@@ -55,10 +57,13 @@ class ServedModel:
     tokenizer: Any
     context_length: int
     eos_token_ids: tuple[int, ...]
+    # The token put where an image goes, one per image (None: a text-only model).
+    image_placeholder_id: int | None = None
 
 
 class ProcessorStage:
     task_type = CLIENT_REQUEST
+    accepts_media = False
 
     def __init__(self, models: dict[str, ServedModel]) -> None:
         self._models = models
@@ -102,10 +107,13 @@ class ProcessorStage:
     async def _route_generation(self, request: ChatRequest | CompletionRequest, model: ServedModel,
                                 created_at_s: float, delivery: Delivery) -> None:
         assert self._context is not None
-        token_ids = self._tokenize(request, model)
-        preprocessed = preprocess(request, token_ids, model)
+        token_ids, media = self._tokenize(request, model)
+        preprocessed = preprocess(request, token_ids, model).model_copy(update={"media": media})
         header = TaskHeader(request_id=request.request_id, reply_to=request.reply_to,
                             stream_format=request.stream_format, created_at_s=created_at_s)
+        if media:
+            await self._route_multimodal(header, preprocessed, model, delivery)
+            return
         mode = await self._mode_of(model.name)
         task: DecodeTask | PrefillTask
         if mode == ServingMode.DISAGGREGATED:
@@ -114,6 +122,30 @@ class ProcessorStage:
             task, stage = DecodeTask(header=header, request=preprocessed), Stage.DECODE
         await self._context.publisher.publish(stage, task, request.request_id, delivery.trace, model=model.name)
         log.info("processor.routed", to=stage.value, prompt_tokens=len(token_ids), mode=mode.value)
+
+    async def _route_multimodal(self, header: TaskHeader, request: PreprocessedRequest, model: ServedModel,
+                                delivery: Delivery) -> None:
+        """Encode workers live → `EncodeTask` (E/PD, or E/P/D when prefill workers are live too);
+        else an LLM worker that encodes in-process (EPD) gets the images with its task."""
+        assert self._context is not None
+        cards = [card for card in await self._live_cards() if card.model == model.name and card.ready]
+        stages = {card.stage for card in cards}
+        next_stage = Stage.PREFILL if Stage.PREFILL in stages else Stage.DECODE
+        task: EncodeTask | DecodeTask | PrefillTask
+        if Stage.ENCODE in stages:
+            mode = ServingMode.ENCODE_DISAGGREGATED if next_stage == Stage.PREFILL else ServingMode.ENCODE_AGGREGATED
+            await self._require_stages(model.name, mode)
+            task, stage = EncodeTask(header=header, request=request, next_stage=next_stage.value), Stage.ENCODE
+        elif any(card.stage == next_stage and card.accepts_media for card in cards):
+            task = (PrefillTask(header=header, request=request) if next_stage == Stage.PREFILL
+                    else DecodeTask(header=header, request=request))
+            stage = next_stage
+        else:
+            raise RejectRequest(ErrorCode.UNSUPPORTED,
+                                f"no worker serving {model.name!r} takes images: start an encode worker "
+                                f"(`conveyor worker encode --model {model.name}`) or a multimodal LLM worker")
+        await self._context.publisher.publish(stage, task, header.request_id, delivery.trace, model=model.name)
+        log.info("processor.routed", to=stage.value, images=len(request.media), prompt_tokens=len(request.token_ids))
 
     async def _route_embedding(self, request: EmbeddingRequest, model: ServedModel, created_at_s: float,
                                delivery: Delivery) -> None:
@@ -127,14 +159,16 @@ class ProcessorStage:
                          dimensions=request.dimensions)
         await self._context.publisher.publish(Stage.EMBED, task, request.request_id, delivery.trace, model=model.name)
 
-    def _tokenize(self, request: ChatRequest | CompletionRequest, model: ServedModel) -> list[int]:
+    def _tokenize(self, request: ChatRequest | CompletionRequest,
+                  model: ServedModel) -> tuple[list[int], list[MediaItem]]:
+        media: list[MediaItem] = []
         if isinstance(request, CompletionRequest):
             if isinstance(request.prompt, list):
                 token_ids = list(request.prompt)  # already tokenized: no template, no tokenizer
             else:
                 token_ids = list(model.tokenizer.encode(request.prompt))
         else:
-            token_ids = self._apply_chat_template(request, model)
+            token_ids, media = self._apply_chat_template(request, model)
         if not token_ids:
             raise RejectRequest(ErrorCode.INVALID_REQUEST, "the prompt is empty")
         if len(token_ids) >= model.context_length:
@@ -142,23 +176,43 @@ class ProcessorStage:
                 ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                 f"prompt of {len(token_ids)} tokens does not fit the context of {model.context_length} tokens",
             )
-        return token_ids
+        return token_ids, media
 
-    def _apply_chat_template(self, request: ChatRequest, model: ServedModel) -> list[int]:
-        messages = []
+    def _apply_chat_template(self, request: ChatRequest, model: ServedModel) -> tuple[list[int], list[MediaItem]]:
+        """Token ids of the templated conversation, with one placeholder token where each image goes."""
+        # A marker no client text contains stands for each image in the templated text.
+        marker = f"<conveyor-image-{uuid.uuid4().hex}>"
+        messages, media = [], []
         for message in request.messages:
             if isinstance(message.content, str):
                 text = message.content
             else:
-                if any(not isinstance(part, TextPart) for part in message.content):
-                    raise RejectRequest(ErrorCode.UNSUPPORTED,
-                                        f"model {model.name} is served text-only: image and video parts need a multimodal pipeline")
-                text = "".join(part.text for part in message.content if isinstance(part, TextPart))
+                pieces = []
+                for part in message.content:
+                    if isinstance(part, TextPart):
+                        pieces.append(part.text)
+                    elif isinstance(part, VideoPart):
+                        raise RejectRequest(ErrorCode.UNSUPPORTED, f"model {model.name} does not take video input")
+                    elif model.image_placeholder_id is None:
+                        raise RejectRequest(ErrorCode.UNSUPPORTED,
+                                            f"model {model.name} is served text-only: image parts need a multimodal model")
+                    else:
+                        pieces.append(marker)
+                        media.append(MediaItem(modality="image", source=part.image_url))
+                text = "".join(pieces)
             messages.append({"role": message.role, "content": text})
-        if not any(m["content"].strip() for m in messages):
+        if not media and not any(m["content"].strip() for m in messages):
             raise RejectRequest(ErrorCode.INVALID_REQUEST, "every message is empty")
-        ids = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        if not media:
+            ids = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids), media
+        templated = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        token_ids: list[int] = []
+        for index, piece in enumerate(templated.split(marker)):
+            if index:
+                token_ids.append(model.image_placeholder_id)
+            token_ids += model.tokenizer.encode(piece, add_special_tokens=False) if piece else []
+        return token_ids, media
 
     async def _mode_of(self, model: str) -> ServingMode:
         """Disaggregated when live prefill workers serve the model, else aggregated."""

@@ -96,6 +96,10 @@ class PipelineStage(Protocol):
         """The engine whose KV events, load and control routes the runtime exposes (None: none)."""
 
     @property
+    def accepts_media(self) -> bool:
+        """Whether the processor may send this worker requests with images (written in its card)."""
+
+    @property
     def consumes_model(self) -> str | None:
         """The model whose work subject this stage pulls from (None: the shared processor subject)."""
 
@@ -271,6 +275,7 @@ class WorkerRuntime:
             mode=self.options.mode, engine=self.options.engine_name, host=socket.gethostname(), pid=os.getpid(),
             started_at_s=time.time(), metrics_url=metrics_url, bootstrap=bootstrap, kv=kv,
             context_length=context_length, ready=ready, wire_version=WIRE_VERSION,
+            accepts_media=self._stage.accepts_media,
         )
 
     def _start_background(self, js: Any) -> None:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import uuid
+
 from workers.decode import DecodeStage
+from workers.encode import EncodeStage
+from workers.media import ImageInputs, MediaEncoder, MediaLimits
+from workers.engines.torch_engine.vision import placeholder_id
 from workers.engines.factory import EngineKind, create_engine, load_tokenizer
 from workers.engines.protocol import DisaggregationRole
 from workers.prefill import PrefillStage
@@ -19,12 +24,42 @@ def build_stage(stage: Stage, kind: EngineKind, models: list[str], mode: Serving
     if len(models) != 1:
         raise ValueError(f"a {stage.value} worker serves exactly one model (got {len(models)})")
     model = models[0]
+    if stage == Stage.ENCODE:
+        return _encode_stage(kind, model)
     if stage == Stage.PREFILL:
-        return PrefillStage(create_engine(kind, model, DisaggregationRole.PREFILL, load_format), model)
+        return PrefillStage(create_engine(kind, model, DisaggregationRole.PREFILL, load_format), model,
+                            _image_inputs(kind, model, Stage.PREFILL))
     if stage == Stage.DECODE:
-        role = DisaggregationRole.DECODE if mode == ServingMode.DISAGGREGATED else DisaggregationRole.NONE
-        return DecodeStage(create_engine(kind, model, role, load_format), model)
+        disaggregated = mode in (ServingMode.DISAGGREGATED, ServingMode.ENCODE_DISAGGREGATED)
+        role = DisaggregationRole.DECODE if disaggregated else DisaggregationRole.NONE
+        # A decode engine that receives the prompt's KV never sees images.
+        images = None if disaggregated else _image_inputs(kind, model, Stage.DECODE)
+        return DecodeStage(create_engine(kind, model, role, load_format), model, images)
     raise ValueError(f"the {stage.value} stage is not built yet (see the README's status table)")
+
+
+def _media_encoder(kind: EngineKind, model: str) -> MediaEncoder | None:
+    """The torch engine's vision path for a model (None for engines without one here)."""
+    if kind != EngineKind.TORCH:
+        return None
+    from workers.engines.torch_engine.loader import ModelConfig, resolve_model
+    from workers.engines.torch_engine.vision import VisionConfig, build_vision_tower
+
+    model_dir = resolve_model(model)
+    config = ModelConfig.from_dir(model_dir)
+    return MediaEncoder(build_vision_tower(VisionConfig(), config.hidden_size, model_dir), config.vocab_size, MediaLimits())
+
+
+def _image_inputs(kind: EngineKind, model: str, stage: Stage) -> ImageInputs:
+    return ImageInputs(_media_encoder(kind, model), reader_name=f"{stage.value}-images-{uuid.uuid4().hex[:12]}")
+
+
+def _encode_stage(kind: EngineKind, model: str) -> EncodeStage:
+    encoder = _media_encoder(kind, model)
+    if encoder is None:
+        raise ValueError(f"the {kind.value} engine has no vision encoder here; run encode workers with --engine torch")
+    limits = encoder.limits
+    return EncodeStage(encoder, model, served_model(kind, model).context_length, export_pool_bytes=limits.export_pool_bytes)
 
 
 def served_model(kind: EngineKind, model: str) -> ServedModel:
@@ -35,4 +70,6 @@ def served_model(kind: EngineKind, model: str) -> ServedModel:
     from workers.engines.torch_engine.loader import ModelConfig, resolve_model
 
     config = ModelConfig.from_dir(resolve_model(model))
-    return ServedModel(model, tokenizer, config.max_position_embeddings, config.eos_token_ids)
+    # Torch-engine models take images (the seeded vision tower; see torch_engine/vision.py).
+    return ServedModel(model, tokenizer, config.max_position_embeddings, config.eos_token_ids,
+                       image_placeholder_id=placeholder_id(config.vocab_size) if kind == EngineKind.TORCH else None)

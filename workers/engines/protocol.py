@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from schemas.kv_events import KvEvent
 from schemas.registry import BootstrapEndpoint
@@ -55,6 +55,9 @@ class GenerateRequest:
     priority: int | None = None
     # A canary: an engine in a disaggregated role runs it without a real KV transfer.
     health_check: bool = False
+    # Multimodal: a tensor [image tokens, hidden] whose rows replace, in order, the input embeddings of
+    # the prompt's image pad tokens (ids at or above the text vocabulary); None for text prompts.
+    image_rows: Any = None
 
 
 @dataclass(frozen=True, slots=True)

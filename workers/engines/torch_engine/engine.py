@@ -282,8 +282,21 @@ class TorchEngine:
             raise UnsupportedOption(
                 f"prompt of {len(request.token_ids)} tokens leaves no room in the context of {self.info.context_length}"
             )
+        assert self.model_config is not None
+        vocab_size = self.model_config.vocab_size
+        num_image_tokens = sum(1 for token in request.token_ids if token >= vocab_size)
+        num_rows = 0 if request.image_rows is None else int(request.image_rows.shape[0])
+        # A decode engine of a disaggregated pair receives the prompt's KV: it never embeds the prompt.
+        receives_kv = self.config.role == DisaggregationRole.DECODE and request.bootstrap is not None
+        if num_image_tokens != num_rows and not receives_kv:
+            raise UnsupportedOption(f"the prompt has {num_image_tokens} tokens outside the vocabulary of {vocab_size} "
+                                    f"and {num_rows} image embedding rows; they must match")
+        if num_rows and tuple(request.image_rows.shape[1:]) != (self.model_config.hidden_size,):
+            raise UnsupportedOption(f"image rows of shape {list(request.image_rows.shape)} do not fit a model of "
+                                    f"hidden size {self.model_config.hidden_size}")
 
     def _new_sequence(self, request: GenerateRequest) -> Sequence:
+        assert self.model_config is not None
         generator = None
         if request.sampling.seed is not None:
             generator = torch.Generator().manual_seed(request.sampling.seed)
@@ -298,6 +311,9 @@ class TorchEngine:
             generator=generator,
             banned_before_min_tokens=tuple({*self.info.eos_token_ids, *request.stop.stop_token_ids}),
             bootstrap_room=request.bootstrap.bootstrap_room if request.bootstrap is not None else None,
+            image_positions=[i for i, t in enumerate(request.token_ids) if t >= self.model_config.vocab_size]
+            if request.image_rows is not None else [],
+            image_rows=request.image_rows,
         )
 
     # ----- the engine thread ---------------------------------------------------------------------

@@ -29,6 +29,9 @@ class StepInputs:
     context_slots: torch.Tensor  # [B, max_ctx] cache slots of each sequence's context (padding: 0)
     attention_mask: torch.Tensor  # [B, 1, max_q, max_ctx] True where a query may attend
     last_index: torch.Tensor  # [B] index of each sequence's last token this step (for logits)
+    # Multimodal: which of the T tokens are image tokens, and the rows that replace their embeddings.
+    image_index: torch.Tensor | None = None  # [M]
+    image_rows: torch.Tensor | None = None  # [M, hidden]
 
 
 class RMSNorm(nn.Module):
@@ -148,7 +151,12 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, step: StepInputs, kv_cache: torch.Tensor) -> torch.Tensor:
         """Logits [B, vocab] at each sequence's last token; kv_cache is [layers, 2, slots, kv_heads, head_dim]."""
-        x = self.model.embed_tokens(step.token_ids)
+        if step.image_rows is None:
+            x = self.model.embed_tokens(step.token_ids)
+        else:
+            # Image pad ids lie outside the vocabulary: look up a valid id, then put the image rows there.
+            x = self.model.embed_tokens(step.token_ids.clamp(max=self.config.vocab_size - 1))
+            x[step.image_index] = step.image_rows.to(x.dtype)
         for index, layer in enumerate(self.model.layers):
             x = layer(x, self.rotary, step, kv_cache[index, 0], kv_cache[index, 1])
         x = self.model.norm(x[step.last_index])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 import torch
 
 from workers.engines.torch_engine.model import CausalLM, StepInputs
@@ -15,9 +17,15 @@ def build_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.de
     last_index: list[int] = []
     context_lengths: list[int] = []
     query_lengths: list[int] = []
+    image_index: list[int] = []
+    image_rows: list[torch.Tensor] = []
     for chunk in chunks:
         seq, start = chunk.seq, chunk.seq.num_computed_tokens
         end = start + chunk.num_tokens
+        if seq.image_rows is not None:
+            first, last = bisect_left(seq.image_positions, start), bisect_left(seq.image_positions, end)
+            image_index.extend(len(token_ids) + position - start for position in seq.image_positions[first:last])
+            image_rows.append(seq.image_rows[first:last])
         token_ids.extend(seq.token_ids[start:end])
         positions.extend(range(start, end))
         slots.extend(_slots(seq.block_table, start, end, block_size).tolist())
@@ -51,6 +59,8 @@ def build_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.de
         context_slots=context_slots.to(device),
         attention_mask=mask[:, None].to(device),
         last_index=torch.tensor(last_index, dtype=torch.long, device=device),
+        image_index=torch.tensor(image_index, dtype=torch.long, device=device) if image_index else None,
+        image_rows=torch.cat(image_rows).to(device) if image_index else None,
     )
 
 

@@ -60,7 +60,8 @@ def _apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
         logits[list(seq.banned_before_min_tokens)] = float("-inf")
     if options.repetition_penalty is not None and options.repetition_penalty != 1.0:
         # HF/SGLang semantics over prompt and output: shrink positive logits, grow negative ones.
-        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
+        # Image pad ids lie outside the vocabulary: they have no logit to penalize.
+        seen = torch.tensor(sorted({t for t in seq.token_ids if t < logits.shape[0]}), dtype=torch.long)
         values = logits[seen]
         logits[seen] = torch.where(values > 0, values / options.repetition_penalty, values * options.repetition_penalty)
     if options.frequency_penalty or options.presence_penalty:

@@ -41,6 +41,9 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     # Set by the engine when a delta has been produced but not yet sent.
     pending_token_ids: list[int] = field(default_factory=list)
+    # Multimodal: prompt positions of image pad tokens, and their embedding rows (same order).
+    image_positions: list[int] = field(default_factory=list)
+    image_rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

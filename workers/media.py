@@ -1,0 +1,265 @@
+"""Images in, embedding rows out: what the encode stage does, and what an LLM worker does in-process
+when no encode worker is live (EPD).
+
+- Loading (`load_media`): `data:image/...;base64,` URLs, `file://` paths this worker can read, and
+  `http(s)://` URLs fetched with a time and size limit — all items of a request concurrently.
+  Limits (`MediaLimits`, from `CONVEYOR_MEDIA_*`): images per request, bytes per image, pixels per
+  image (decompression bombs are refused from the header, before any pixel is decoded).
+- Encoding (`MediaEncoder.encode`): the vision tower runs on the images not in the LRU cache (keyed by
+  the content hash of the media bytes, sized in bytes), and each image's one placeholder token is
+  expanded to its rows' pad ids (see `torch_engine.vision`).
+
+Fails how: every problem with the media itself — not an image, truncated, too large, too many,
+unreachable, a scheme we do not read, fewer placeholders than images — is a `MediaError` with the
+client-facing error code; nothing here kills a worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+import aiohttp
+import structlog
+import torch
+import xxhash
+from PIL import Image
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from bus.metrics import MEDIA_CACHE
+from schemas.replies import ErrorCode
+from schemas.tasks import MediaItem
+from workers.engines.torch_engine.vision import VisionTower, pad_id, placeholder_id, preprocess
+
+log = structlog.get_logger(__name__)
+
+
+class MediaError(ValueError):
+    """Media a request cannot be served with; `code` is what the client is told."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class MediaLimits(BaseSettings):
+    """Bounds on what one request may make a worker load (CONVEYOR_MEDIA_* variables)."""
+
+    model_config = SettingsConfigDict(env_prefix="CONVEYOR_MEDIA_", frozen=True)
+
+    max_images: int = Field(default=16, ge=1)
+    max_image_bytes: int = Field(default=20 << 20, ge=1024)
+    # Width × height; checked from the header, so a decompression bomb is never decoded.
+    max_image_pixels: int = Field(default=40_000_000, ge=1)
+    fetch_timeout_s: float = Field(default=10.0, gt=0)
+    # Bytes of embedding rows the encode cache keeps (least recently used go first).
+    cache_bytes: int = Field(default=256 << 20, ge=0)
+    # The encode worker's NIXL export pool: rows waiting for their LLM worker to read them.
+    export_pool_bytes: int = Field(default=64 << 20, ge=1 << 20)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedImage:
+    image: Image.Image
+    content_hash: int
+
+
+async def load_media(items: list[MediaItem], limits: MediaLimits) -> list[LoadedImage]:
+    if len(items) > limits.max_images:
+        raise MediaError(ErrorCode.INVALID_REQUEST, f"{len(items)} images in one request; at most {limits.max_images}")
+    for item in items:
+        if item.modality != "image":
+            raise MediaError(ErrorCode.UNSUPPORTED, f"{item.modality} input is not supported by this model family")
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=limits.fetch_timeout_s)) as session:
+        raw = await asyncio.gather(*(_fetch(item.source.url, limits, session) for item in items))
+    return [LoadedImage(_decode_image(data, limits, index), xxhash.xxh3_64_intdigest(data))
+            for index, data in enumerate(raw)]
+
+
+async def _fetch(url: str, limits: MediaLimits, session: aiohttp.ClientSession) -> bytes:
+    scheme = url.split(":", 1)[0].lower()
+    if scheme == "data":
+        return _data_url(url, limits)
+    if scheme == "file":
+        return await asyncio.to_thread(_read_file, Path(unquote(urlparse(url).path)), limits)
+    if scheme in ("http", "https"):
+        return await _download(url, limits, session)
+    raise MediaError(ErrorCode.INVALID_REQUEST, f"image URL scheme {scheme!r} is not read here (data:, file://, http(s)://)")
+
+
+def _data_url(url: str, limits: MediaLimits) -> bytes:
+    header, _, payload = url.partition(",")
+    if not header.startswith("data:image/") or not header.endswith(";base64"):
+        raise MediaError(ErrorCode.INVALID_REQUEST, "a data URL must be data:image/<type>;base64,<data>")
+    if len(payload) * 3 // 4 > limits.max_image_bytes:
+        raise MediaError(ErrorCode.INVALID_REQUEST, f"image larger than {limits.max_image_bytes} bytes")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as error:
+        raise MediaError(ErrorCode.INVALID_REQUEST, f"data URL is not valid base64: {error}") from error
+
+
+def _read_file(path: Path, limits: MediaLimits) -> bytes:
+    try:
+        size = path.stat().st_size
+        if size > limits.max_image_bytes:
+            raise MediaError(ErrorCode.INVALID_REQUEST, f"{path} is {size} bytes; at most {limits.max_image_bytes}")
+        return path.read_bytes()
+    except OSError as error:
+        raise MediaError(ErrorCode.INVALID_REQUEST, f"cannot read {path}: {error.strerror}") from error
+
+
+async def _download(url: str, limits: MediaLimits, session: aiohttp.ClientSession) -> bytes:
+    try:
+        async with session.get(url) as response:
+            if response.status != 200:
+                raise MediaError(ErrorCode.INVALID_REQUEST, f"fetching {url} answered HTTP {response.status}")
+            body = bytearray()
+            async for piece in response.content.iter_chunked(1 << 16):
+                body += piece
+                if len(body) > limits.max_image_bytes:
+                    raise MediaError(ErrorCode.INVALID_REQUEST, f"{url} is larger than {limits.max_image_bytes} bytes")
+            return bytes(body)
+    except (aiohttp.ClientError, TimeoutError) as error:
+        reason = "timed out" if isinstance(error, TimeoutError) else str(error) or type(error).__name__
+        raise MediaError(ErrorCode.INVALID_REQUEST, f"cannot fetch {url}: {reason}") from error
+
+
+def _decode_image(data: bytes, limits: MediaLimits, index: int) -> Image.Image:
+    try:
+        image = Image.open(io.BytesIO(data))
+        width, height = image.size
+        if width * height > limits.max_image_pixels:
+            raise MediaError(ErrorCode.INVALID_REQUEST,
+                             f"image {index} is {width}×{height} pixels; at most {limits.max_image_pixels}")
+        image.load()
+        return image
+    except MediaError:
+        raise
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+        raise MediaError(ErrorCode.INVALID_REQUEST, f"image {index} is not a decodable image: {error}") from error
+
+
+class EmbeddingCache:
+    """Rows per content hash, least recently used evicted first, bounded in bytes."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.size_bytes = 0
+        self._rows: OrderedDict[int, torch.Tensor] = OrderedDict()
+
+    def get(self, content_hash: int) -> torch.Tensor | None:
+        rows = self._rows.get(content_hash)
+        MEDIA_CACHE.labels(result="hit" if rows is not None else "miss").inc()
+        if rows is not None:
+            self._rows.move_to_end(content_hash)
+        return rows
+
+    def put(self, content_hash: int, rows: torch.Tensor) -> None:
+        size = rows.numel() * rows.element_size()
+        if size > self.capacity_bytes or content_hash in self._rows:
+            return
+        self._rows[content_hash] = rows
+        self.size_bytes += size
+        while self.size_bytes > self.capacity_bytes:
+            _, evicted = self._rows.popitem(last=False)
+            self.size_bytes -= evicted.numel() * evicted.element_size()
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedPrompt:
+    # The prompt with each image's placeholder expanded to its pad ids.
+    token_ids: list[int]
+    # [image tokens, hidden] float32, in the order of the pad positions.
+    rows: torch.Tensor
+
+
+class MediaEncoder:
+    """Load → cache lookup → vision tower (in a thread) → placeholder expansion."""
+
+    def __init__(self, tower: VisionTower, vocab_size: int, limits: MediaLimits) -> None:
+        self._tower = tower
+        self._vocab_size = vocab_size
+        self.limits = limits
+        self.cache = EmbeddingCache(limits.cache_bytes)
+        # One image batch at a time: the tower uses every core already.
+        self._lock = asyncio.Lock()
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self._tower.config.tokens_per_image
+
+    @property
+    def placeholder_id(self) -> int:
+        return placeholder_id(self._vocab_size)
+
+    async def encode(self, token_ids: list[int], items: list[MediaItem]) -> EncodedPrompt:
+        num_placeholders = token_ids.count(placeholder_id(self._vocab_size))
+        if num_placeholders != len(items):
+            raise MediaError(ErrorCode.INVALID_REQUEST,
+                             f"the prompt has {num_placeholders} image placeholders for {len(items)} images")
+        images = await load_media(items, self.limits)
+        rows = await self._rows_of(images)
+        return EncodedPrompt(self._expand(token_ids, images), torch.cat(rows) if rows else torch.empty(0))
+
+    async def _rows_of(self, images: list[LoadedImage]) -> list[torch.Tensor]:
+        cached = [self.cache.get(image.content_hash) for image in images]
+        missing = [image for image, rows in zip(images, cached) if rows is None]
+        if missing:
+            async with self._lock:
+                pixels = torch.stack([preprocess(image.image, self._tower.config) for image in missing])
+                computed = await asyncio.to_thread(self._tower, pixels)
+            fresh = {image.content_hash: computed[index].contiguous() for index, image in enumerate(missing)}
+            for content_hash, rows in fresh.items():
+                self.cache.put(content_hash, rows)
+            cached = [rows if rows is not None else fresh[image.content_hash] for image, rows in zip(images, cached)]
+        return [rows for rows in cached if rows is not None]
+
+    def _expand(self, token_ids: list[int], images: list[LoadedImage]) -> list[int]:
+        placeholder, expanded, next_image = placeholder_id(self._vocab_size), [], 0
+        for token in token_ids:
+            if token == placeholder:
+                expanded += [pad_id(self._vocab_size, images[next_image].content_hash)] * self.tokens_per_image
+                next_image += 1
+            else:
+                expanded.append(token)
+        return expanded
+
+
+class ImageInputs:
+    """An LLM worker's view of a task's images: rows read over NIXL from an encode worker (E/PD,
+    E/P/D), or encoded here from the task's media when no encode worker took it (EPD)."""
+
+    def __init__(self, encoder: MediaEncoder | None, reader_name: str, transfer_timeout_s: float = 30.0) -> None:
+        self.encoder = encoder
+        self._reader_name = reader_name
+        self._reader: object | None = None
+        self._transfer_timeout_s = transfer_timeout_s
+
+    async def resolve(self, request_id: str, token_ids: list[int], items: list[MediaItem],
+                      handle: object | None) -> tuple[list[int], torch.Tensor | None]:
+        """The prompt to run and its image rows (None for a text prompt). Raises `MediaError`, or
+        `TransferFailed` when the encode worker's buffer cannot be read."""
+        if handle is not None:
+            from workers.media_transfer import EmbeddingReader
+
+            if self._reader is None:
+                self._reader = EmbeddingReader(self._reader_name)
+            reader = self._reader
+            assert isinstance(reader, EmbeddingReader)
+            rows = await asyncio.to_thread(reader.read, handle, request_id, self._transfer_timeout_s)  # type: ignore[arg-type]
+            return token_ids, rows
+        if not items:
+            return token_ids, None
+        if self.encoder is None:
+            raise MediaError(ErrorCode.UNSUPPORTED, "this worker's engine has no vision path; start encode workers "
+                             "for the model or serve a multimodal model")
+        encoded = await self.encoder.encode(token_ids, items)
+        return encoded.token_ids, encoded.rows
