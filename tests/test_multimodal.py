@@ -17,7 +17,9 @@ from PIL import Image
 
 from bus.errors import RemoteError
 from schemas.client import ChatMessage, ImagePart, MediaUrl, TextPart, VideoPart
-from schemas.registry import ServingMode, Stage
+from schemas.codec import WIRE_VERSION
+from schemas.codec import encode as encode_wire
+from schemas.registry import ServingMode, Stage, WorkerCard
 from schemas.replies import ErrorCode, FinalFrame, FinishReason
 from schemas.tasks import MediaItem
 from tests.conftest import Bus
@@ -25,7 +27,8 @@ from tests.helpers import metric
 from tests.pipeline_helpers import client_of, running_workers
 from workers.decode import DecodeStage
 from workers.engines.factory import EngineKind
-from workers.engines.protocol import DisaggregationRole
+from schemas.sampling import SamplingOptions, StopConditions
+from workers.engines.protocol import DisaggregationRole, GenerateRequest, UnsupportedOption
 from workers.engines.torch_engine.engine import TorchEngine, TorchEngineConfig
 from workers.engines.torch_engine.loader import DEFAULT_MODEL
 from workers.gateway import GatewayOptions, serving
@@ -107,18 +110,38 @@ async def test_epd_e_pd_and_e_p_d_give_the_same_greedy_tokens(bus: Bus) -> None:
     assert reference[1][1].usage.prompt_tokens - reference[0][1].usage.prompt_tokens >= 16
 
 
-async def test_different_images_give_different_answers_and_the_same_image_hits_both_caches(bus: Bus) -> None:
-    async with running_workers(bus, e_pd(), model=DEFAULT_MODEL, mode=ServingMode.ENCODE_AGGREGATED) as workers:
+async def test_the_same_image_hits_both_caches_and_a_different_image_shares_no_image_block(bus: Bus) -> None:
+    async with running_workers(bus, e_pd(), model=DEFAULT_MODEL, mode=ServingMode.ENCODE_AGGREGATED):
         hits_before = metric("conveyor_media_cache_total", result="hit")
-        red_tokens, first = await ask(bus, [RED])
-        blue_tokens, blue = await ask(bus, [BLUE])
-        red_again, again = await ask(bus, [RED])
-        engine = workers[2].stage.engine
-    assert red_tokens == red_again and red_tokens != blue_tokens
-    assert metric("conveyor_media_cache_total", result="hit") - hits_before >= 1
-    # The prefix cache serves the repeated image's blocks, and never a different image's.
-    assert again.usage.cached_tokens >= 16 and blue.usage.cached_tokens < first.usage.prompt_tokens - 16
-    assert isinstance(engine, TorchEngine)
+        _, first = await ask(bus, [RED])
+        _, blue = await ask(bus, [BLUE])
+        _, again = await ask(bus, [RED])
+    assert metric("conveyor_media_cache_total", result="hit") - hits_before == 1
+    # The prompt is template + text, 16 image tokens, template: the repeated image's blocks are served
+    # from the prefix cache; a different image's are not (its pad ids, hence its block keys, differ).
+    image_end = first.usage.prompt_tokens - 5
+    assert again.usage.cached_tokens >= (image_end // 16) * 16 > blue.usage.cached_tokens
+
+
+async def test_image_rows_reach_the_model_and_change_its_answer() -> None:
+    encoder = _media_encoder(EngineKind.TORCH, DEFAULT_MODEL)
+    engine = llm()
+    await engine.start()
+    try:
+        prompt = engine.tokenizer.encode("Describe the picture:")
+        answers = []
+        for index, url in enumerate([RED, BLUE, RED]):
+            item = MediaItem(modality="image", source=MediaUrl(url=url))
+            encoded = await encoder.encode(prompt + [encoder.placeholder_id] + prompt, [item])  # type: ignore[union-attr]
+            request = GenerateRequest(f"r{index}", encoded.token_ids, SamplingOptions(temperature=0.0),
+                                      StopConditions(max_tokens=8), image_rows=encoded.rows)
+            answers.append([t async for output in engine.generate(request) for t in output.token_ids])
+        with pytest.raises(UnsupportedOption, match="image embedding rows"):
+            bad = GenerateRequest("bad", encoded.token_ids, SamplingOptions(temperature=0.0), StopConditions(max_tokens=2))
+            [_ async for _ in engine.generate(bad)]
+    finally:
+        await engine.shutdown()
+    assert answers[0] != answers[1] and answers[0] == answers[2]
 
 
 async def test_image_requests_stream_through_the_gateway_with_the_openai_sdk(bus: Bus, tmp_path: Path) -> None:
@@ -219,31 +242,31 @@ async def test_text_only_pipeline_refuses_images_clearly(bus: Bus) -> None:
     assert raised.value.code == ErrorCode.UNSUPPORTED
 
 
-async def test_cancel_while_the_llm_worker_is_away_frees_the_encode_buffer(bus: Bus) -> None:
+async def test_cancel_while_no_llm_worker_reads_frees_the_encode_buffer(bus: Bus) -> None:
     encode = _encode_stage(EngineKind.TORCH, DEFAULT_MODEL)
     specs = [(Stage.PROCESSOR, processor()), (Stage.ENCODE, encode)]
     async with running_workers(bus, specs, model=DEFAULT_MODEL, mode=ServingMode.ENCODE_AGGREGATED):
-        # Pretend a decode worker is live so the processor routes to encode; none will read the rows.
-        async with running_workers(bus, [(Stage.DECODE, DecodeStage(llm(), DEFAULT_MODEL))], model=DEFAULT_MODEL,
-                                   mode=ServingMode.ENCODE_AGGREGATED) as decode:
-            decode[0].runtime._consumer.pause()  # type: ignore[union-attr]
-            client = client_of(bus)
-            request = image_chat(client, [BLUE])
-            async with await client.submit(request, first_frame_timeout_s=30) as stream:
-                for _ in range(200):
-                    if encode._exporter is not None and encode._exporter.pending:
-                        break
-                    await asyncio.sleep(0.05)
-                assert encode._exporter is not None and encode._exporter.pending == 1
-                await client.cancel(request.request_id)
-                for _ in range(100):
-                    if not encode._exporter.pending:
-                        break
-                    await asyncio.sleep(0.01)
-                assert encode._exporter.pending == 0
-                decode[0].runtime._consumer.resume()  # type: ignore[union-attr]
-                _, final = await stream.collect()
-    assert isinstance(final, FinalFrame) and final.finish_reason == FinishReason.CANCELLED
+        # A decode worker that is registered but never pulls: the rows wait in the export pool.
+        card = WorkerCard(worker_id="absent-decode", stage=Stage.DECODE, model=DEFAULT_MODEL,
+                          mode=ServingMode.ENCODE_AGGREGATED, engine="torch", host="h", pid=1, started_at_s=0.0,
+                          ready=True, wire_version=WIRE_VERSION)
+        await bus.registry.put(card.worker_id, encode_wire(card))
+        await asyncio.sleep(1.1)  # the processor's view of the registry refreshes every second
+        client = client_of(bus)
+        request = image_chat(client, [BLUE])
+        async with await client.submit(request, first_frame_timeout_s=30):
+            for _ in range(200):
+                if encode._exporter is not None and encode._exporter.pending:
+                    break
+                await asyncio.sleep(0.05)
+            assert encode._exporter is not None and encode._exporter.pending == 1
+            await client.cancel(request.request_id)
+            for _ in range(100):
+                if not encode._exporter.pending:
+                    break
+                await asyncio.sleep(0.01)
+        assert encode._exporter.pending == 0
+        assert metric("conveyor_embedding_handoffs_total", outcome="cancelled") >= 1
 
 
 async def test_placeholders_must_match_the_images() -> None:

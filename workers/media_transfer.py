@@ -21,7 +21,7 @@ import torch
 from bus.metrics import EMBEDDING_HANDOFFS
 from schemas.tasks import NixlHandle
 from workers.engines.protocol import TransferFailed
-from workers.engines.torch_engine.kv_transfer import _nixl
+from workers.engines.torch_engine.kv_transfer import _nixl, nixl_read
 
 log = structlog.get_logger(__name__)
 
@@ -175,17 +175,7 @@ class EmbeddingReader:
         try:
             local = self._agent.get_xfer_descs(rows)
             remote_descs = self._agent.deserialize_descs(handle.serialized_descriptors)
-            transfer = self._agent.initialize_xfer("READ", local, remote_descs, remote, _notification(request_id))
-            try:
-                state = self._agent.transfer(transfer)
-                deadline = time.monotonic() + timeout_s
-                while state == "PROC" and time.monotonic() < deadline:
-                    time.sleep(0.0002)
-                    state = self._agent.check_xfer_state(transfer)
-                if state != "DONE":
-                    raise TransferFailed(f"embedding read from {handle.agent_name} ended in state {state}")
-            finally:
-                self._agent.release_xfer_handle(transfer)
+            nixl_read(self._agent, local, remote_descs, remote, _notification(request_id), timeout_s, handle.agent_name)
         finally:
             self._agent.deregister_memory(registered)
         return rows

@@ -118,23 +118,29 @@ class KvTransferAgent:
             self._remote_agents[offer.agent_name] = remote
         local_descs = self._agent.get_xfer_descs(self.layout.regions(local_blocks), self._memory_type)
         remote_descs = self._agent.get_xfer_descs(offer.layout.regions(offer.block_ids), self._memory_type)
-        handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, remote, notification)
-        try:
-            state = self._agent.transfer(handle)
-            deadline = time.monotonic() + timeout_s
-            while state == "PROC" and time.monotonic() < deadline:
-                time.sleep(0.0002)
-                state = self._agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise TransferFailed(f"NIXL read from {offer.agent_name} ended in state {state}")
-        finally:
-            self._agent.release_xfer_handle(handle)
+        nixl_read(self._agent, local_descs, remote_descs, remote, notification, timeout_s, offer.agent_name)
 
     def notifications(self) -> list[bytes]:
         return [message for messages in self._agent.get_new_notifs().values() for message in messages]
 
     def close(self) -> None:
         self._agent.deregister_memory(self._registered)
+
+
+def nixl_read(agent: Any, local_descs: Any, remote_descs: Any, remote: str, notification: bytes, timeout_s: float,
+              owner: str) -> None:
+    """One blocking NIXL READ of `remote_descs` into `local_descs`; the owner gets `notification` when done."""
+    handle = agent.initialize_xfer("READ", local_descs, remote_descs, remote, notification)
+    try:
+        state = agent.transfer(handle)
+        deadline = time.monotonic() + timeout_s
+        while state == "PROC" and time.monotonic() < deadline:
+            time.sleep(0.0002)
+            state = agent.check_xfer_state(handle)
+        if state != "DONE":
+            raise TransferFailed(f"NIXL read from {owner} ended in state {state}")
+    finally:
+        agent.release_xfer_handle(handle)
 
 
 def room_notification(room: int) -> bytes:

@@ -1,0 +1,197 @@
+"""Benchmark multimodal serving on the torch engine: EPD vs E/PD, the embedding cache, encode scale-out,
+and why embeddings travel over NIXL rather than inside NATS messages.
+
+One run starts an embedded nats-server and the workers as separate processes (`conveyor worker ...`,
+exactly as deployed), in turn:
+
+1. EPD  — processor + decode (the decode worker encodes images in-process);
+2. E/PD — processor + encode + decode (rows handed over NIXL);
+3. E/PD with 2 encode replicas, for the scale-out ratio;
+
+and measures, for 1 and 8 images per request, time to first token with the image cache cold (new
+images every request) and warm (the same images again), and requests/s at 8 concurrent requests.
+Then, in this process, it moves embedding-sized buffers over NIXL (UCX, host memory) and through NATS
+(request/reply of the same bytes) and prints both times.
+
+    .venv/bin/python scripts/bench_multimodal.py
+    .venv/bin/python scripts/bench_multimodal.py --requests 8 --image-px 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from bus.client import PipelineClient, open_client  # noqa: E402
+from bus.connection import connect  # noqa: E402
+from bus.registry import ready_models  # noqa: E402
+from bus.server import EmbeddedNatsServer  # noqa: E402
+from bus.settings import BusSettings, NatsSettings  # noqa: E402
+from schemas.client import ChatMessage, ChatRequest, ImagePart, MediaUrl, StreamFormat, TextPart  # noqa: E402
+from workers.engines.torch_engine.loader import DEFAULT_MODEL  # noqa: E402
+from workers.media_transfer import EmbeddingExporter, EmbeddingReader  # noqa: E402
+
+
+def say(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def random_image_url(size_px: int, rng: random.Random) -> str:
+    """A PNG of noise (incompressible, so decoding costs what a photo's would)."""
+    image = Image.frombytes("RGB", (size_px, size_px), rng.randbytes(size_px * size_px * 3))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", compress_level=1)
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def spawn(stages: list[str], url: str, namespace: str, mode: str) -> list[subprocess.Popen[bytes]]:
+    env = {**os.environ, "CONVEYOR_NATS_URLS": url, "CONVEYOR_NAMESPACE": namespace, "PYTHONPATH": str(ROOT),
+           "CONVEYOR_MEDIA_MAX_IMAGE_BYTES": str(64 << 20)}
+    return [subprocess.Popen([sys.executable, "-m", "workers.cli", "worker", stage, "--mode", mode,
+                              "--log-level", "ERROR"], cwd=ROOT, env=env) for stage in stages]
+
+
+async def wait_ready(client: PipelineClient, stages: list[str]) -> None:
+    deadline = time.monotonic() + 180
+    while True:
+        cards = [c for c in await client.live_workers() if c.ready]
+        if DEFAULT_MODEL in ready_models(cards) and len(cards) >= len(stages):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"workers not ready: {[c.stage.value for c in cards]}")
+        await asyncio.sleep(0.3)
+
+
+async def ttft_of(client: PipelineClient, images: list[str], max_tokens: int = 4) -> float:
+    parts = [TextPart(text="What do these images show?")] + [ImagePart(image_url=MediaUrl(url=u)) for u in images]
+    request = ChatRequest(request_id=f"mm-{uuid.uuid4().hex[:12]}", reply_to=client.new_inbox(), model=DEFAULT_MODEL,
+                          messages=[ChatMessage(role="user", content=parts)], stream_format=StreamFormat.TOKENS,
+                          temperature=0.0, max_tokens=max_tokens)
+    started = time.perf_counter()
+    first: float | None = None
+    async with await client.submit(request, first_frame_timeout_s=120) as stream:
+        async for _ in stream:
+            first = first or time.perf_counter() - started
+    return first or time.perf_counter() - started
+
+
+async def measure_topology(client: PipelineClient, args: argparse.Namespace, rng: random.Random) -> dict[str, float]:
+    results: dict[str, float] = {}
+    await ttft_of(client, [random_image_url(args.image_px, rng)])  # warm-up
+    for count in (1, 8):
+        cold, warm = [], []
+        for _ in range(args.requests):
+            images = [random_image_url(args.image_px, rng) for _ in range(count)]
+            cold.append(await ttft_of(client, images))
+            warm.append(await ttft_of(client, images))
+        results[f"ttft_cold_{count}"] = statistics.median(cold) * 1000
+        results[f"ttft_warm_{count}"] = statistics.median(warm) * 1000
+    results["req_per_s_8img"] = await throughput(client, args, rng, images_per_request=8)
+    return results
+
+
+async def throughput(client: PipelineClient, args: argparse.Namespace, rng: random.Random, images_per_request: int) -> float:
+    batches = [[random_image_url(args.image_px, rng) for _ in range(images_per_request)] for _ in range(args.concurrency * 2)]
+    started = time.perf_counter()
+    await asyncio.gather(*(ttft_of(client, images, max_tokens=1) for images in batches))
+    return len(batches) / (time.perf_counter() - started)
+
+
+async def run_topology(name: str, stages: list[str], mode: str, args: argparse.Namespace,
+                       measure: str = "all") -> dict[str, float]:
+    with EmbeddedNatsServer() as server:
+        namespace = f"mm{uuid.uuid4().hex[:6]}"
+        workers = spawn(stages, server.url, namespace, mode)
+        try:
+            async with open_client(NatsSettings(urls=[server.url]), BusSettings(namespace=namespace), "bench") as client:
+                say(f"{name}: starting {', '.join(stages)}")
+                await wait_ready(client, stages)
+                rng = random.Random(7)
+                if measure == "throughput":
+                    await throughput(client, args, rng, 8)  # warm-up
+                    return {"req_per_s_8img": await throughput(client, args, rng, 8)}
+                return await measure_topology(client, args, rng)
+        finally:
+            for worker in workers:
+                worker.send_signal(signal.SIGTERM)
+            for worker in workers:
+                worker.wait(timeout=60)
+
+
+async def transfer_times(sizes_bytes: list[int]) -> list[tuple[int, float, float]]:
+    """(bytes, NIXL ms, NATS ms) per size: median of 5 moves each."""
+    exporter, reader = EmbeddingExporter("bench-export", max(sizes_bytes) * 2), EmbeddingReader("bench-read")
+    rows: list[tuple[int, float, float]] = []
+    with EmbeddedNatsServer(max_payload_bytes=64 << 20) as server:
+        settings = NatsSettings(urls=[server.url])
+        sender, receiver = await connect(settings, "bench-send"), await connect(settings, "bench-receive")
+
+        async def echo_size(msg) -> None:  # type: ignore[no-untyped-def]
+            await msg.respond(str(len(msg.data)).encode())
+
+        await receiver.subscribe("bench.rows", cb=echo_size)
+        for size in sizes_bytes:
+            tensor = torch.randn(size // 4)
+            nixl_ms, nats_ms = [], []
+            for attempt in range(6):
+                started = time.perf_counter()
+                handle = await exporter.offer(f"b{size}-{attempt}", tensor, wait_for_space_s=5)
+                await asyncio.to_thread(reader.read, handle, f"b{size}-{attempt}", 10.0)
+                nixl_ms.append((time.perf_counter() - started) * 1000)
+                exporter.release(f"b{size}-{attempt}")
+                payload = tensor.numpy().tobytes()
+                started = time.perf_counter()
+                await sender.request("bench.rows", payload, timeout=30)
+                nats_ms.append((time.perf_counter() - started) * 1000)
+            rows.append((size, statistics.median(nixl_ms[1:]), statistics.median(nats_ms[1:])))
+        await sender.close()
+        await receiver.close()
+    await exporter.close()
+    return rows
+
+
+async def main(args: argparse.Namespace) -> None:
+    epd = await run_topology("EPD", ["processor", "decode"], "aggregated", args)
+    e_pd = await run_topology("E/PD", ["processor", "encode", "decode"], "encode-aggregated", args)
+    one_encoder = e_pd["req_per_s_8img"]
+    two_encoders = (await run_topology("E/PD ×2 encode", ["processor", "encode", "encode", "decode"], "encode-aggregated",
+                                       args, measure="throughput"))["req_per_s_8img"]
+    print(f"\ntorch engine, CPU ({os.cpu_count()} cores), {args.image_px}px noise PNGs, 16 rows per image, "
+          f"medians of {args.requests} requests\n")
+    print(f"{'measure':<34} {'EPD':>10} {'E/PD':>10} {'E/PD ÷ EPD':>11}")
+    for key, label in [("ttft_cold_1", "TTFT ms, 1 image, cache cold"), ("ttft_warm_1", "TTFT ms, 1 image, cache warm"),
+                       ("ttft_cold_8", "TTFT ms, 8 images, cache cold"), ("ttft_warm_8", "TTFT ms, 8 images, cache warm"),
+                       ("req_per_s_8img", f"requests/s, 8 images, {args.concurrency * 2} at once")]:
+        print(f"{label:<34} {epd[key]:>10.1f} {e_pd[key]:>10.1f} {e_pd[key] / epd[key]:>10.2f}×")
+    for name, result in [("EPD", epd), ("E/PD", e_pd)]:
+        print(f"cache speed-up ({name}): 1 image {result['ttft_cold_1'] / result['ttft_warm_1']:.2f}×, "
+              f"8 images {result['ttft_cold_8'] / result['ttft_warm_8']:.2f}×")
+    print(f"encode replicas 1 → 2: {one_encoder:.2f} → {two_encoders:.2f} requests/s ({two_encoders / one_encoder:.2f}×)")
+    print(f"\n{'embedding bytes':>16} {'NIXL ms':>9} {'NATS ms':>9}  (one move; NATS needs max_payload raised above 1 MiB)")
+    for size, nixl_ms, nats_ms in await transfer_times([16 * 576 * 4, 8 * 16 * 576 * 4, 4 << 20, 32 << 20]):
+        print(f"{size:>16,} {nixl_ms:>9.2f} {nats_ms:>9.2f}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=6, help="requests per TTFT measure")
+    parser.add_argument("--concurrency", type=int, default=4, help="half the requests sent at once for requests/s")
+    parser.add_argument("--image-px", type=int, default=512)
+    asyncio.run(main(parser.parse_args()))
