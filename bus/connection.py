@@ -37,23 +37,50 @@ async def connect(settings: NatsSettings, name: str, on_reconnected: Callback | 
     caller declares it again. It runs inside the client's reconnect path, so it must return quickly.
     """
 
+    errors = _ErrorLog(name)
+
     async def on_disconnect() -> None:
         log.info("nats.disconnected", name=name)
 
     async def on_reconnect() -> None:
+        errors.reset()
         log.info("nats.reconnected", name=name)
         if on_reconnected is not None:
             await on_reconnected()
 
-    async def on_error(error: Exception) -> None:
-        log.warning("nats.error", name=name, error=str(error))
-
     try:
-        return await asyncio.wait_for(_connect(settings, name, on_disconnect, on_reconnect, on_error),
-                                      timeout=settings.initial_connect_timeout_s)
+        client = await asyncio.wait_for(_connect(settings, name, on_disconnect, on_reconnect, errors.on_error),
+                                        timeout=settings.initial_connect_timeout_s)
     except Exception as error:
-        # nats-py retries unreachable servers forever, or raises a bare NoServersError: say which were tried.
-        raise ConnectionError(f"cannot reach NATS at {', '.join(settings.urls)}: {error!r}") from error
+        # nats-py retries unreachable servers, or raises a bare NoServersError: one sentence with the fix instead.
+        cause = errors.last or repr(error)
+        raise ConnectionError(
+            f"cannot reach NATS at {', '.join(settings.urls)} ({cause}): start one with `conveyor server` or "
+            "`conveyor up`, or point --nats / CONVEYOR_NATS_URLS at yours") from error
+    errors.connected = True
+    return client
+
+
+class _ErrorLog:
+    """Connection errors as a person wants them: none while the first connect is still trying (its
+    failure is one `ConnectionError`), then one line per distinct error until the next reconnect,
+    not one per retry."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self.connected = False
+        self.last: str | None = None
+
+    async def on_error(self, error: Exception) -> None:
+        text = str(error) or type(error).__name__
+        if text == self.last:
+            return
+        self.last = text
+        if self.connected:
+            log.warning("nats.error", name=self._name, error=text)
+
+    def reset(self) -> None:
+        self.last = None
 
 
 async def _connect(settings: NatsSettings, name: str, on_disconnect: Callback, on_reconnect: Callback,

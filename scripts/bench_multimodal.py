@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import io
 import os
 import random
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -53,12 +52,16 @@ def say(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
+IMAGE_DIR = Path(tempfile.mkdtemp(prefix="conveyor-bench-images-"))
+
+
 def random_image_url(size_px: int, rng: random.Random) -> str:
-    """A PNG of noise (incompressible, so decoding costs what a photo's would)."""
+    """A file:// URL of a PNG of noise (incompressible, so decoding costs what a photo's would). Files, not data
+    URLs: eight 512 px images as base64 would not fit one NATS message (max_payload, 1 MiB by default)."""
     image = Image.frombytes("RGB", (size_px, size_px), rng.randbytes(size_px * size_px * 3))
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG", compress_level=1)
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    path = IMAGE_DIR / f"{uuid.uuid4().hex}.png"
+    image.save(path, format="PNG", compress_level=1)
+    return path.as_uri()
 
 
 def spawn(stages: list[str], url: str, namespace: str, mode: str) -> list[subprocess.Popen[bytes]]:

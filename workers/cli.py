@@ -230,14 +230,19 @@ def up(
     max_tokens: Annotated[int, typer.Option(min=1, help="Most tokens for the --ask answer.")] = 128,
     load_format: Annotated[str, typer.Option(help="auto, or dummy (random weights; for benchmarks).")] = "auto",
     ready_timeout_s: Annotated[float, typer.Option(help="Give up when the pipeline is not ready after this long.")] = 300.0,
+    gateway: Annotated[bool, typer.Option("--gateway", help="Also serve the OpenAI API (see --gateway-port).")] = False,
+    gateway_port: Annotated[int, typer.Option(help="Port of the OpenAI API with --gateway.")] = 8000,
     nats: NatsOption = None,
     namespace: NamespaceOption = None,
     log_level: LogLevelOption = "WARNING",
 ) -> None:
     """Start the pipeline: an embedded NATS server (unless --nats) and a worker process per stage.
 
-    Waits until the model is ready, answers --ask if given, and serves until Ctrl-C (or exits after
-    the answer with --exit). Workers log at --log-level to stderr.
+    The embedded server listens on the standard port 4222 when it is free, so `conveyor ask`, `chat`,
+    `status` and `gateway` in another terminal find it with no flags. Waits until the model is ready,
+    answers --ask if given, and serves until Ctrl-C (or exits after the answer with --exit); with
+    --gateway it also serves the OpenAI API. Ctrl-C stops every worker and the server: nothing is
+    left running. Workers log at --log-level to stderr.
     """
     import os
 
@@ -252,7 +257,8 @@ def up(
     served = model or (DEFAULT_MODEL if EngineKind(engine) != EngineKind.MOCK else "mock")
     options = UpOptions(model=served, engine=engine, mode=ServingMode(mode), decode_replicas=decode_replicas,
                         question=ask_prompt, exit_after_question=exit_after, max_tokens=max_tokens, log_level=log_level,
-                        load_format=load_format, ready_timeout_s=ready_timeout_s)
+                        load_format=load_format, ready_timeout_s=ready_timeout_s,
+                        gateway_port=gateway_port if gateway else None)
     raise typer.Exit(asyncio.run(run_up(nats_settings, bus_settings, embedded, options)))
 
 

@@ -126,10 +126,10 @@ async def status(nats: NatsSettings, bus: BusSettings) -> str:
         cards = await client.live_workers()
     if not cards:
         return f"no live workers in namespace {bus.namespace!r}"
-    lines = [f"{'worker':<40} {'stage':<10} {'model':<28} {'mode':<14} {'engine':<7} {'ready':<6} {'kv used':>9}  metrics"]
+    lines = [f"{'worker':<40} {'stage':<10} {'model':<28} {'mode':<20} {'engine':<7} {'ready':<6} {'kv used':>9}  metrics"]
     for card in cards:
         kv = f"{card.kv.used_blocks}/{card.kv.total_blocks}" if card.kv else "-"
-        lines.append(f"{card.worker_id:<40} {card.stage.value:<10} {card.model:<28} {card.mode.value:<14} "
+        lines.append(f"{card.worker_id:<40} {card.stage.value:<10} {card.model:<28} {card.mode.value:<20} "
                      f"{card.engine:<7} {'yes' if card.ready else 'no':<6} {kv:>9}  {card.metrics_url or '-'}")
     models = ready_models(cards)
     lines.append("")

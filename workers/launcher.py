@@ -14,6 +14,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from bus.lifecycle import dies_with_parent
@@ -39,6 +41,8 @@ class UpOptions:
     temperature: float = 0.0
     load_format: str = "auto"
     log_level: str = "WARNING"
+    # Also serve the OpenAI API on this port (None: no gateway).
+    gateway_port: int | None = None
 
 
 def stages_for(mode: ServingMode) -> list[Stage]:
@@ -84,12 +88,27 @@ async def _run(nats: NatsSettings, bus: BusSettings, embedded: bool, options: Up
                     return 1
             if options.exit_after_question:
                 return 0
-            progress("pipeline running; Ctrl-C stops it")
-            await _wait_for_stop_or_exit(workers, stop)
+            async with _gateway(nats, bus, options.gateway_port):
+                progress("pipeline running; Ctrl-C stops it")
+                await _wait_for_stop_or_exit(workers, stop)
             return 0
         finally:
             # Shielded: a second Ctrl-C must not leave workers behind half-stopped.
             await asyncio.shield(_stop(workers))
+
+
+@asynccontextmanager
+async def _gateway(nats: NatsSettings, bus: BusSettings, port: int | None) -> AsyncIterator[None]:
+    """The OpenAI-compatible gateway in this process, when asked for."""
+    if port is None:
+        yield
+        return
+    from workers.gateway import GatewayOptions, serving
+
+    async with open_client(nats, bus, "conveyor-up-gateway") as client:
+        async with serving(client, GatewayOptions(host="0.0.0.0", port=port)) as bound:
+            progress(f"OpenAI API on http://127.0.0.1:{bound}/v1")
+            yield
 
 
 def _spawn(stage: Stage, nats: NatsSettings, bus: BusSettings, options: UpOptions) -> subprocess.Popen[bytes]:

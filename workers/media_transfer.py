@@ -12,6 +12,7 @@ comes within the handoff timeout, frees its range too.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass
 
@@ -160,9 +161,16 @@ class EmbeddingReader:
         nixl = _nixl()
         self._agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
         self._remote_agents: dict[str, str] = {}
+        # Reads come from several threads at once; one NIXL agent is not safe to drive from many (seen:
+        # failed transfers and heap corruption with 8 concurrent reads).
+        self._lock = threading.Lock()
 
     def read(self, handle: NixlHandle, request_id: str, timeout_s: float) -> torch.Tensor:
         """Blocking (run it in a thread); raises `TransferFailed`."""
+        with self._lock:
+            return self._read(handle, request_id, timeout_s)
+
+    def _read(self, handle: NixlHandle, request_id: str, timeout_s: float) -> torch.Tensor:
         remote = self._remote_agents.get(handle.agent_name)
         if remote is None:
             remote = self._agent.add_remote_agent(handle.agent_metadata)

@@ -19,7 +19,7 @@ from bus.cancel import CancelRegistry
 from bus.client import PipelineClient
 from bus.connection import connect
 from bus.consumer import ConsumerOptions, Delivery, WorkConsumer
-from bus.server import EmbeddedNatsServer
+from bus.server import STANDARD_PORT, EmbeddedNatsServer, port_is_free
 from bus.settings import BusSettings, NatsSettings
 from bus.streams import declare_all
 from bus.subjects import Names
@@ -38,10 +38,16 @@ async def nats_url_or_embedded(nats: NatsSettings, embedded: bool) -> AsyncItera
     if not embedded:
         yield nats
         return
-    server = EmbeddedNatsServer()
+    # The standard port when it is free, so `conveyor ask` / `chat` / `status` in another terminal find it.
+    standard = port_is_free("127.0.0.1", STANDARD_PORT)
+    server = EmbeddedNatsServer(port=STANDARD_PORT if standard else None)
     progress("starting embedded nats-server with JetStream ...")
     url = server.start()  # in the main thread, so the server dies with this process (dies_with_parent)
-    progress(f"nats-server ready at {url} (store {server.store_dir})")
+    if standard:
+        progress(f"nats-server ready at {url}; other terminals reach it with no flags")
+    else:
+        progress(f"port {STANDARD_PORT} is taken, so nats-server listens at {url}: "
+                 f"other terminals need --nats {url}")
     try:
         yield nats.model_copy(update={"urls": [url]})
     finally:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import importlib
+import threading
 import time
 from dataclasses import asdict, dataclass
 from types import ModuleType
@@ -105,6 +106,8 @@ class KvTransferAgent:
         self._registered = self._agent.register_memory(kv_cache)
         self.layout = KvLayout.of(kv_cache, block_size)
         self._remote_agents: dict[str, str] = {}
+        # Reads run in worker threads, several at once; one NIXL agent is driven by one of them at a time.
+        self._lock = threading.Lock()
 
     @property
     def metadata(self) -> bytes:
@@ -112,6 +115,10 @@ class KvTransferAgent:
 
     def read_blocks(self, offer: RoomOffer, local_blocks: list[int], notification: bytes, timeout_s: float) -> None:
         """Copy the offered blocks into ours; blocks until done, then notifies the owner."""
+        with self._lock:
+            self._read_blocks(offer, local_blocks, notification, timeout_s)
+
+    def _read_blocks(self, offer: RoomOffer, local_blocks: list[int], notification: bytes, timeout_s: float) -> None:
         remote = self._remote_agents.get(offer.agent_name)
         if remote is None:
             remote = self._agent.add_remote_agent(base64.b64decode(offer.agent_metadata_b64))

