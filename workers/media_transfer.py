@@ -22,7 +22,7 @@ import torch
 from bus.metrics import EMBEDDING_HANDOFFS
 from schemas.tasks import NixlHandle
 from workers.engines.protocol import TransferFailed
-from workers.engines.torch_engine.kv_transfer import _nixl, nixl_read
+from workers.engines.torch_engine.kv_transfer import _nixl, agent_config, nixl_read
 
 log = structlog.get_logger(__name__)
 
@@ -79,7 +79,7 @@ class EmbeddingExporter:
     def __init__(self, name: str, pool_bytes: int) -> None:
         nixl = _nixl()
         self.name = name
-        self._agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
+        self._agent = nixl.nixl_agent(name, agent_config(nixl))
         self._pool = torch.empty(pool_bytes, dtype=torch.uint8)
         self._registered = self._agent.register_memory(self._pool)
         self._metadata = self._agent.get_agent_metadata()
@@ -159,7 +159,7 @@ class EmbeddingReader:
 
     def __init__(self, name: str) -> None:
         nixl = _nixl()
-        self._agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
+        self._agent = nixl.nixl_agent(name, agent_config(nixl))
         self._remote_agents: dict[str, str] = {}
         # Reads come from several threads at once; one NIXL agent is not safe to drive from many (seen:
         # failed transfers and heap corruption with 8 concurrent reads).

@@ -41,6 +41,13 @@ def _nixl() -> ModuleType:
     raise RuntimeError("disaggregated serving needs NIXL: pip install nixl (or nixl-cu12)")
 
 
+def agent_config(nixl: ModuleType) -> Any:
+    """UCX without NIXL's progress thread: it spins on a core, and on a small CPU host it took half the
+    engine's token rate (measured: 12 tokens with an image, 1.9 s with it, 0.95 s without). Our reads poll
+    their transfer to completion and owners poll their notifications, which drives UCX as far as needed."""
+    return nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+
+
 @dataclass(frozen=True, slots=True)
 class KvLayout:
     """Where each block of a [layers, 2, slots, kv_heads, head_dim] cache lies in memory."""
@@ -101,7 +108,7 @@ class KvTransferAgent:
     def __init__(self, name: str, kv_cache: torch.Tensor, block_size: int) -> None:
         nixl = _nixl()
         self.name = name
-        self._agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
+        self._agent = nixl.nixl_agent(name, agent_config(nixl))
         self._memory_type = "VRAM" if kv_cache.is_cuda else "DRAM"
         self._registered = self._agent.register_memory(kv_cache)
         self.layout = KvLayout.of(kv_cache, block_size)
