@@ -36,7 +36,10 @@ STANDARD_PORT = 4222
 
 
 def port_is_free(host: str, port: int) -> bool:
+    """Whether a server could listen there now (as nats-server binds: closed connections lingering in
+    TIME_WAIT do not count, a listener does)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError:

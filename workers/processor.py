@@ -133,7 +133,12 @@ class ProcessorStage:
         next_stage = Stage.PREFILL if Stage.PREFILL in stages else Stage.DECODE
         task: EncodeTask | DecodeTask | PrefillTask
         if Stage.ENCODE in stages:
-            mode = ServingMode.ENCODE_DISAGGREGATED if next_stage == Stage.PREFILL else ServingMode.ENCODE_AGGREGATED
+            # The encode workers' mode names the topology; a prefill worker missing a heartbeat must not
+            # turn E/P/D into E/PD for one request (its decode engine would get rows it cannot use).
+            encode_modes = {card.mode for card in cards if card.stage == Stage.ENCODE}
+            mode = (ServingMode.ENCODE_DISAGGREGATED if ServingMode.ENCODE_DISAGGREGATED in encode_modes
+                    else ServingMode.ENCODE_AGGREGATED)
+            next_stage = Stage.PREFILL if mode == ServingMode.ENCODE_DISAGGREGATED else Stage.DECODE
             await self._require_stages(model.name, mode)
             task, stage = EncodeTask(header=header, request=request, next_stage=next_stage.value), Stage.ENCODE
         elif any(card.stage == next_stage and card.accepts_media for card in cards):

@@ -201,20 +201,22 @@ class WorkerRuntime:
             self._stopping.set()
             await stop_tasks([*self._background, *([self._recovery] if self._recovery else [])])
             await self._stage.stop()
-            await cancels.stop()
+            await _unless_nats_is_away("cancels.stop", cancels.stop())
             if self._health is not None:
                 await self._health.stop()
-            await nc.drain()
+            await _close(nc)
             log.info("worker.stopped")
 
     async def _shutdown(self, consumer_loop: asyncio.Task[None]) -> None:
+        """Deregister and drain; with NATS away (a server stopped with its workers) every step that needs it
+        gives up after its timeout, so SIGTERM always ends the process."""
         assert self._consumer is not None and self._registration is not None
         log.info("worker.draining", in_flight=self._consumer.in_flight, grace_s=self.options.shutdown_grace_s)
         self._set_ready("shutting down")
-        await self._registration.update(self._card(ready=False))
+        await _unless_nats_is_away("registry.update", self._registration.update(self._card(ready=False)))
         await self._consumer.stop(grace_s=self.options.shutdown_grace_s)
         await consumer_loop
-        await self._registration.close()
+        await _unless_nats_is_away("registry.close", self._registration.close())
 
     async def _on_reconnected(self) -> None:
         # Called inside nats-py's reconnect path: recover in a task of our own, one at a time.
@@ -369,6 +371,25 @@ class WorkerRuntime:
 
     async def _flush_cache(self, request: web.Request) -> web.Response:
         return await _control(lambda: self._stage.engine.flush_cache())  # type: ignore[union-attr]
+
+
+async def _unless_nats_is_away(step: str, action: Awaitable[None], timeout_s: float = 5.0) -> None:
+    try:
+        await asyncio.wait_for(action, timeout=timeout_s)
+    except Exception as error:  # the bus is gone: the TTL removes the card, JetStream redelivers the work
+        log.warning("worker.shutdown_step_skipped", step=step, error=repr(error))
+
+
+async def _close(nc: Any, drain_timeout_s: float = 10.0) -> None:
+    """Drain (deliver what is buffered), or close at once when the server is unreachable: a connection left
+    reconnecting keeps a task alive that would stop the process from exiting."""
+    try:
+        await asyncio.wait_for(nc.drain(), timeout=drain_timeout_s)
+    except Exception as error:
+        log.warning("worker.drain_skipped", error=repr(error))
+    finally:
+        if not nc.is_closed:
+            await nc.close()
 
 
 async def _body(request: web.Request, model: type[BaseModel]) -> Any:

@@ -9,8 +9,8 @@ understand it. A model directory with `vision.safetensors` beside its weights lo
 
 Token scheme (SGLang's, with its `pad_value`): the processor puts one placeholder id
 (`placeholder_id(vocab)` = the text vocabulary size, outside it) per image; expansion replaces each
-with `tokens_per_image` copies of the image's *pad id*, `vocab + 1 + hash % (2**31 - 2)`, derived
-from the image's content hash. Pad ids are never looked up in the embedding table; they make the
+with `tokens_per_image` copies of the image's *pad id*, `1_000_000 + (hash & (2**30 - 1))` — SGLang's
+multimodal pad value, so both engines key an image's blocks alike — derived from the image's content hash. Pad ids are never looked up in the embedding table; they make the
 prefix-cache keys of an image's blocks depend on the image, so two images never share KV blocks.
 """
 
@@ -22,7 +22,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-_PAD_SPACE = 2**31 - 2
+# SGLang's pad values: 1_000_000 + (mm_hash & (2^30 - 1)); text vocabularies stay below the base.
+_PAD_BASE = 1_000_000
+_PAD_MASK = 2**30 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +57,9 @@ def placeholder_id(vocab_size: int) -> int:
 
 def pad_id(vocab_size: int, content_hash: int) -> int:
     """The id every token of one image carries after expansion: outside the vocabulary, per image."""
-    return vocab_size + 1 + content_hash % _PAD_SPACE
+    if vocab_size >= _PAD_BASE:
+        raise ValueError(f"a vocabulary of {vocab_size} tokens overlaps the image pad ids from {_PAD_BASE}")
+    return _PAD_BASE + (content_hash & _PAD_MASK)
 
 
 class VisionTower(nn.Module):
