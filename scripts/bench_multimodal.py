@@ -64,27 +64,36 @@ def random_image_url(size_px: int, rng: random.Random) -> str:
     return path.as_uri()
 
 
-def spawn(stages: list[str], url: str, namespace: str, mode: str) -> list[subprocess.Popen[bytes]]:
-    env = {**os.environ, "CONVEYOR_NATS_URLS": url, "CONVEYOR_NAMESPACE": namespace, "PYTHONPATH": str(ROOT),
+def spawn(stages: list[str], url: str, namespace: str, mode: str, args: argparse.Namespace) -> list[subprocess.Popen[bytes]]:
+    python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "CONVEYOR_NATS_URLS": url, "CONVEYOR_NAMESPACE": namespace, "PYTHONPATH": python_path,
            "CONVEYOR_MEDIA_MAX_IMAGE_BYTES": str(64 << 20)}
-    return [subprocess.Popen([sys.executable, "-m", "workers.cli", "worker", stage, "--mode", mode,
-                              "--log-level", "ERROR"], cwd=ROOT, env=env) for stage in stages]
+    if args.threads_per_worker:
+        env["OMP_NUM_THREADS"] = str(args.threads_per_worker)
+    return [subprocess.Popen([sys.executable, "-m", "workers.cli", "worker", stage, "--mode", mode, "--model", args.model,
+                              "--load-format", args.load_format, "--log-level", "ERROR"], cwd=ROOT, env=env)
+            for stage in stages]
 
 
-async def wait_ready(client: PipelineClient, stages: list[str]) -> None:
+async def wait_ready(client: PipelineClient, stages: list[str], workers: list[subprocess.Popen[bytes]]) -> None:
     deadline = time.monotonic() + 180
     while True:
+        if any(worker.poll() is not None for worker in workers):
+            raise RuntimeError("a worker exited before the pipeline was ready (its error is above)")
         cards = [c for c in await client.live_workers() if c.ready]
-        if DEFAULT_MODEL in ready_models(cards) and len(cards) >= len(stages):
+        if ready_models(cards) and len(cards) >= len(stages):
             return
         if time.monotonic() > deadline:
             raise TimeoutError(f"workers not ready: {[c.stage.value for c in cards]}")
         await asyncio.sleep(0.3)
 
 
+MODEL = DEFAULT_MODEL
+
+
 async def ttft_of(client: PipelineClient, images: list[str], max_tokens: int = 4) -> float:
     parts = [TextPart(text="What do these images show?")] + [ImagePart(image_url=MediaUrl(url=u)) for u in images]
-    request = ChatRequest(request_id=f"mm-{uuid.uuid4().hex[:12]}", reply_to=client.new_inbox(), model=DEFAULT_MODEL,
+    request = ChatRequest(request_id=f"mm-{uuid.uuid4().hex[:12]}", reply_to=client.new_inbox(), model=MODEL,
                           messages=[ChatMessage(role="user", content=parts)], stream_format=StreamFormat.TOKENS,
                           temperature=0.0, max_tokens=max_tokens)
     started = time.perf_counter()
@@ -121,11 +130,11 @@ async def run_topology(name: str, stages: list[str], mode: str, args: argparse.N
                        measure: str = "all") -> dict[str, float]:
     with EmbeddedNatsServer() as server:
         namespace = f"mm{uuid.uuid4().hex[:6]}"
-        workers = spawn(stages, server.url, namespace, mode)
+        workers = spawn(stages, server.url, namespace, mode, args)
         try:
             async with open_client(NatsSettings(urls=[server.url]), BusSettings(namespace=namespace), "bench") as client:
                 say(f"{name}: starting {', '.join(stages)}")
-                await wait_ready(client, stages)
+                await wait_ready(client, stages, workers)
                 rng = random.Random(7)
                 if measure == "throughput":
                     await throughput(client, args, rng, 8)  # warm-up
@@ -171,6 +180,11 @@ async def transfer_times(sizes_bytes: list[int]) -> list[tuple[int, float, float
 
 
 async def main(args: argparse.Namespace) -> None:
+    global MODEL
+    MODEL = args.model
+    if args.only_scale_out:
+        await scale_out(args)
+        return
     epd = await run_topology("EPD", ["processor", "decode"], "aggregated", args)
     e_pd = await run_topology("E/PD", ["processor", "encode", "decode"], "encode-aggregated", args)
     one_encoder = e_pd["req_per_s_8img"]
@@ -187,6 +201,26 @@ async def main(args: argparse.Namespace) -> None:
         print(f"cache speed-up ({name}): 1 image {result['ttft_cold_1'] / result['ttft_warm_1']:.2f}×, "
               f"8 images {result['ttft_cold_8'] / result['ttft_warm_8']:.2f}×")
     print(f"encode replicas 1 → 2: {one_encoder:.2f} → {two_encoders:.2f} requests/s ({two_encoders / one_encoder:.2f}×)")
+    await print_transfers()
+
+
+async def scale_out(args: argparse.Namespace) -> None:
+    """Image requests/s with 1, 2 (and 4) encode replicas, rounds alternating, where encode is the bottleneck."""
+    results: dict[int, list[float]] = {}
+    for _ in range(args.rounds):
+        for replicas in args.encode_replicas:
+            stages = ["processor", *["encode"] * replicas, "decode"]
+            result = await run_topology(f"E/PD ×{replicas} encode", stages, "encode-aggregated", args, measure="throughput")
+            results.setdefault(replicas, []).append(result["req_per_s_8img"])
+    base = statistics.median(results[args.encode_replicas[0]])
+    print(f"\n{os.cpu_count()} cores, {args.threads_per_worker or 'default'} threads per worker, 8 × {args.image_px}px "
+          f"images per request, {args.concurrency * 2} requests at once, medians of {args.rounds} alternating rounds")
+    for replicas, rates in results.items():
+        rate = statistics.median(rates)
+        print(f"encode replicas {replicas}: {rate:.2f} requests/s ({rate / base:.2f}× of {args.encode_replicas[0]})")
+
+
+async def print_transfers() -> None:
     print(f"\n{'embedding bytes':>16} {'NIXL ms':>9} {'NATS ms':>9}  (one move; NATS needs max_payload raised above 1 MiB)")
     for size, nixl_ms, nats_ms in await transfer_times([16 * 576 * 4, 8 * 16 * 576 * 4, 4 << 20, 32 << 20]):
         print(f"{size:>16,} {nixl_ms:>9.2f} {nats_ms:>9.2f}")
@@ -197,4 +231,10 @@ if __name__ == "__main__":
     parser.add_argument("--requests", type=int, default=6, help="requests per TTFT measure")
     parser.add_argument("--concurrency", type=int, default=4, help="half the requests sent at once for requests/s")
     parser.add_argument("--image-px", type=int, default=512)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="a model directory, or the bundled default")
+    parser.add_argument("--load-format", default="auto", help="auto, or dummy (random weights of the config's shape)")
+    parser.add_argument("--threads-per-worker", type=int, default=0, help="OMP_NUM_THREADS of each worker (0: torch's)")
+    parser.add_argument("--only-scale-out", action="store_true", help="only the encode scale-out measure")
+    parser.add_argument("--encode-replicas", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=1, help="alternating rounds of the scale-out measure")
     asyncio.run(main(parser.parse_args()))

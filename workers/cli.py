@@ -179,6 +179,11 @@ ModeOption = Annotated[str, typer.Option("--mode", envvar="CONVEYOR_MODE",
                                               "E/PD) or encode-disaggregated (→ encode → prefill → decode: E/P/D).")]
 
 
+# Tasks a worker holds at once, where 32 is wrong: an encode worker's tasks each need the CPU (or GPU) at
+# once, so one that pulled 32 would encode them one after another while its replicas had nothing.
+_DEFAULT_CONCURRENCY = {"encode": 4}
+
+
 @app.command()
 def worker(
     stage: Annotated[str, typer.Argument(help="processor, encode, prefill or decode.")],
@@ -187,7 +192,9 @@ def worker(
     mode: ModeOption = "aggregated",
     http_port: Annotated[int, typer.Option(help="Port of /metrics, /live, /ready and /engine/* (0: any free port).")] = 0,
     http_host: Annotated[str, typer.Option(help="Address the HTTP port listens on.")] = "0.0.0.0",
-    max_concurrency: Annotated[int, typer.Option(min=1, help="Tasks this worker handles at once.")] = 32,
+    max_concurrency: Annotated[int | None, typer.Option(min=1, help=(
+        "Tasks this worker holds at once (default 32; 4 for encode, whose work is CPU/GPU-bound: a worker "
+        "holding more only queues them itself while other replicas idle)."))] = None,
     shutdown_grace_s: Annotated[float, typer.Option(help="On SIGTERM, how long in-flight work may finish before it is handed back.")] = 30.0,
     load_format: Annotated[str, typer.Option(help="auto, or dummy (random weights; for benchmarks).")] = "auto",
     coalesce_ms: Annotated[float, typer.Option(min=0.0, help="Merge a stream's tokens arriving within this window into one frame (fewer messages at high token rates).")] = 0.0,
@@ -213,7 +220,8 @@ def worker(
     built = build_stage(stage_kind, engine_kind, models, serving_mode, load_format)
     options = WorkerOptions(
         stage=stage_kind, model=models[0], mode=serving_mode, engine_name=engine_kind.value, http_host=http_host,
-        http_port=http_port, max_concurrency=max_concurrency, shutdown_grace_s=shutdown_grace_s,
+        http_port=http_port, max_concurrency=max_concurrency or _DEFAULT_CONCURRENCY.get(stage_kind, 32),
+        shutdown_grace_s=shutdown_grace_s,
         coalesce_window_s=coalesce_ms / 1000,
     )
     asyncio.run(WorkerRuntime(built, options, nats_settings, bus_settings).run())
