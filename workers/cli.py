@@ -301,6 +301,36 @@ def ask_command(
         raise typer.Exit(1) from None
 
 
+@app.command("embed")
+def embed_command(
+    texts: Annotated[list[str], typer.Argument(help="One or more texts; each gets a vector.")],
+    model: Annotated[str, typer.Option("--model", help="Embedding model (default: all-MiniLM-L6-v2, bundled).")] = (
+        "all-MiniLM-L6-v2"),
+    dimensions: Annotated[int | None, typer.Option(min=1, help="Keep this many dimensions (renormalized).")] = None,
+    timeout_s: Annotated[float, typer.Option(help="Longest wait for the answer.")] = 60.0,
+    nats: NatsOption = None,
+    namespace: NamespaceOption = None,
+    log_level: LogLevelOption = "WARNING",
+) -> None:
+    """Embed texts through the bus; prints one JSON line per text: {"index", "dimensions", "embedding"}."""
+    from workers.client_commands import NoWorkerServes, embed, explain
+
+    configure_logging(log_level)
+    nats_settings, bus_settings = load_settings(nats, namespace)
+    try:
+        result = asyncio.run(embed(nats_settings, bus_settings, model, texts, dimensions, timeout_s))
+    except NoWorkerServes as error:
+        typer.echo(f"[conveyor] {error}", err=True)
+        raise typer.Exit(2) from None
+    except Exception as error:
+        typer.echo(f"[conveyor] {explain(error)}", err=True)
+        raise typer.Exit(1) from None
+    for item in result.data:
+        vector = list(item.vector) if not isinstance(item.vector, bytes) else []
+        typer.echo(json.dumps({"index": item.index, "dimensions": len(vector), "embedding": vector}))
+    typer.echo(f"[conveyor] {result.usage.prompt_tokens} tokens embedded by {result.model}", err=True)
+
+
 @app.command("chat")
 def chat_command(
     model: ModelOption = None,

@@ -12,8 +12,8 @@ from bus.client import PipelineClient, open_client
 from bus.errors import RemoteError, ReplyStreamBroken
 from bus.registry import ready_models
 from bus.settings import BusSettings, NatsSettings
-from schemas.client import ChatMessage, ChatRequest, StreamFormat
-from schemas.replies import FinalFrame
+from schemas.client import ChatMessage, ChatRequest, EmbeddingRequest, StreamFormat
+from schemas.replies import EmbeddingResult, FinalFrame
 
 
 class NoWorkerServes(RuntimeError):
@@ -74,6 +74,19 @@ def _prompt() -> str | None:
         return input("> " if sys.stdin.isatty() else "")
     except EOFError:
         return None
+
+
+async def embed(nats: NatsSettings, bus: BusSettings, model: str, texts: list[str], dimensions: int | None,
+                timeout_s: float) -> EmbeddingResult:
+    """Embed texts through the pipeline (processor → embed worker)."""
+    async with open_client(nats, bus, "conveyor-embed") as client:
+        await ensure_model_ready(client, bus, model)
+        request = EmbeddingRequest(request_id=f"embed-{uuid.uuid4().hex[:16]}", reply_to=client.new_inbox(),
+                                   model=model, input=texts, dimensions=dimensions)
+        async with await client.submit(request, first_frame_timeout_s=timeout_s) as stream:
+            _, result = await stream.collect()
+    assert isinstance(result, EmbeddingResult)
+    return result
 
 
 async def _ask_once(client: PipelineClient, model: str, messages: list[ChatMessage], max_tokens: int | None,

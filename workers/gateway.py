@@ -13,6 +13,7 @@ A client that disconnects mid-stream has its request cancelled through the contr
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 import uuid
@@ -29,8 +30,8 @@ from bus.client import PipelineClient
 from bus.errors import RemoteError, ReplyGap, ReplyStreamBroken
 from bus.registry import ready_models
 from bus.replies import ReplyStream
-from schemas.client import ChatMessage, ChatRequest, CompletionRequest, ResponseFormat, StreamFormat
-from schemas.replies import ErrorCode, FinalFrame, TokenChunk, Usage
+from schemas.client import ChatMessage, ChatRequest, CompletionRequest, EmbeddingRequest, ResponseFormat, StreamFormat
+from schemas.replies import EmbeddingResult, ErrorCode, FinalFrame, TokenChunk, Usage
 
 log = structlog.get_logger(__name__)
 
@@ -89,6 +90,15 @@ class CompletionBody(_OpenAIBody):
     logprobs: int | None = None
 
 
+class EmbeddingBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: str = "float"
+    dimensions: int | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class GatewayOptions:
     host: str = "0.0.0.0"
@@ -127,6 +137,7 @@ class Gateway:
         self.app.add_routes([
             web.post("/v1/chat/completions", self.chat_completions),
             web.post("/v1/completions", self.completions),
+            web.post("/v1/embeddings", self.embeddings),
             web.get("/v1/models", self.models),
             web.get("/health", self.health),
         ])
@@ -165,6 +176,29 @@ class Gateway:
             top_logprobs=body.logprobs or 0, **body.generation_fields(),
         )
         return await self._serve(request, message, body, chat=False)
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        body = await _parse(request, EmbeddingBody)
+        await self._require_model(body.model)
+        message = _build(EmbeddingRequest, request_id=f"embd-{uuid.uuid4().hex[:24]}", reply_to=self._client.new_inbox(),
+                         model=body.model, input=body.input, encoding_format=body.encoding_format,
+                         dimensions=body.dimensions)
+        stream = await self._client.submit(message, first_frame_timeout_s=self._options.first_token_timeout_s)
+        async with stream:
+            try:
+                _, result = await stream.collect()
+            except RemoteError as error:
+                raise OpenAIError.of_remote(error) from None
+            except (ReplyStreamBroken, ReplyGap) as error:
+                raise OpenAIError(504, str(error), "server_error", "timeout") from None
+        if not isinstance(result, EmbeddingResult):
+            raise OpenAIError(500, "the embedding worker answered without vectors", "server_error")
+        data = [{"object": "embedding", "index": item.index,
+                 "embedding": base64.b64encode(item.vector).decode() if isinstance(item.vector, bytes) else item.vector}
+                for item in result.data]
+        usage = {"prompt_tokens": result.usage.prompt_tokens, "total_tokens": result.usage.prompt_tokens}
+        return web.json_response({"object": "list", "data": data, "model": result.model, "usage": usage},
+                                 headers={"x-request-id": message.request_id})
 
     async def _serve(self, http: web.Request, message: ChatRequest | CompletionRequest, body: _OpenAIBody,
                      chat: bool) -> web.StreamResponse:

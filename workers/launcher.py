@@ -51,6 +51,7 @@ def stages_for(mode: ServingMode) -> list[Stage]:
         ServingMode.DISAGGREGATED: [Stage.PROCESSOR, Stage.PREFILL, Stage.DECODE],
         ServingMode.ENCODE_AGGREGATED: [Stage.PROCESSOR, Stage.ENCODE, Stage.DECODE],
         ServingMode.ENCODE_DISAGGREGATED: [Stage.PROCESSOR, Stage.ENCODE, Stage.PREFILL, Stage.DECODE],
+        ServingMode.EMBEDDING: [Stage.PROCESSOR, Stage.EMBED],
     }.get(mode, [Stage.PROCESSOR, Stage.DECODE])
 
 

@@ -47,6 +47,8 @@ from workers.runtime import StageContext
 
 log = structlog.get_logger(__name__)
 
+# OpenAI's limit on inputs per embedding request (refused before tokenizing them).
+MAX_EMBEDDING_INPUTS = 2048
 # How long the routing view of the registry may be stale.
 _REGISTRY_REFRESH_S = 1.0
 
@@ -156,6 +158,14 @@ class ProcessorStage:
                                delivery: Delivery) -> None:
         assert self._context is not None
         await self._require_stages(model.name, ServingMode.EMBEDDING)
+        if isinstance(request.input, list) and len(request.input) > MAX_EMBEDDING_INPUTS and not all(
+                isinstance(item, int) for item in request.input):
+            raise RejectRequest(ErrorCode.INVALID_REQUEST,
+                                f"{len(request.input)} inputs; at most {MAX_EMBEDDING_INPUTS} per request")
+        texts = [request.input] if isinstance(request.input, str) else request.input
+        # As OpenAI: an empty text is refused (a tokenizer that adds [CLS]/[SEP] would make it non-empty).
+        if not texts or any(isinstance(item, str) and not item.strip() for item in texts):
+            raise RejectRequest(ErrorCode.INVALID_REQUEST, "input is empty, or holds an empty text")
         token_lists = _embedding_inputs(request.input, model)
         if not token_lists or not all(token_lists):
             raise RejectRequest(ErrorCode.INVALID_REQUEST, "input is empty")

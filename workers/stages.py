@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 
 from workers.decode import DecodeStage
+from workers.embed import EmbedStage
 from workers.encode import EncodeStage
 from workers.media import ImageInputs, MediaEncoder, MediaLimits
 from workers.engines.torch_engine.vision import placeholder_id
@@ -26,6 +28,8 @@ def build_stage(stage: Stage, kind: EngineKind, models: list[str], mode: Serving
     model = models[0]
     if stage == Stage.ENCODE:
         return _encode_stage(kind, model)
+    if stage == Stage.EMBED:
+        return _embed_stage(kind, model)
     if stage == Stage.PREFILL:
         return PrefillStage(create_engine(kind, model, DisaggregationRole.PREFILL, load_format), model,
                             _image_inputs(kind, model, Stage.PREFILL))
@@ -54,6 +58,15 @@ def _image_inputs(kind: EngineKind, model: str, stage: Stage) -> ImageInputs:
     return ImageInputs(_media_encoder(kind, model), reader_name=f"{stage.value}-images-{uuid.uuid4().hex[:12]}")
 
 
+def _embed_stage(kind: EngineKind, model: str) -> EmbedStage:
+    if kind != EngineKind.TORCH:
+        raise ValueError(f"embedding workers run the torch engine here (got {kind.value}); use --engine torch")
+    from workers.engines.torch_engine.embedding import SentenceEmbedder
+    from workers.engines.torch_engine.loader import resolve_model
+
+    return EmbedStage(SentenceEmbedder(resolve_model(model)), model)
+
+
 def _encode_stage(kind: EngineKind, model: str) -> EncodeStage:
     encoder = _media_encoder(kind, model)
     if encoder is None:
@@ -67,9 +80,14 @@ def served_model(kind: EngineKind, model: str) -> ServedModel:
     tokenizer = load_tokenizer(kind, model)
     if kind == EngineKind.MOCK:
         return ServedModel(model, tokenizer, MOCK_CONTEXT_LENGTH, (tokenizer.eos_token_id,))
+    from workers.engines.torch_engine.embedding import is_embedding_model
     from workers.engines.torch_engine.loader import ModelConfig, resolve_model
 
-    config = ModelConfig.from_dir(resolve_model(model))
+    model_dir = resolve_model(model)
+    if is_embedding_model(model_dir):
+        raw = json.loads((model_dir / "config.json").read_text())
+        return ServedModel(model, tokenizer, raw["max_position_embeddings"], ())
+    config = ModelConfig.from_dir(model_dir)
     # Torch-engine models take images (the seeded vision tower; see torch_engine/vision.py).
     return ServedModel(model, tokenizer, config.max_position_embeddings, config.eos_token_ids,
                        image_placeholder_id=placeholder_id(config.vocab_size) if kind == EngineKind.TORCH else None)

@@ -89,6 +89,10 @@ def resolve_model(model: str | None) -> Path:
     """A local Hugging Face-format directory for `model` (a path, or the default model's name)."""
     if model is None or model == DEFAULT_MODEL:
         return bundled_smollm2()
+    from workers.engines.torch_engine.embedding import EMBEDDING_MODEL, bundled_minilm
+
+    if model == EMBEDDING_MODEL:
+        return bundled_minilm()
     path = Path(model).expanduser()
     if not (path / "config.json").exists():
         raise FileNotFoundError(
