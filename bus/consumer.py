@@ -291,7 +291,7 @@ class WorkConsumer(Generic[TaskT]):
             try:
                 await self._handler(task, delivery)
             except RejectRequest as rejection:
-                await self._send_error(reply, rejection.code, rejection.message, retryable=False)
+                await self._send_error(reply, rejection.code, rejection.message, retryable=rejection.retryable)
                 await self._ack(msg, "rejected")
             except asyncio.CancelledError:
                 # The worker is stopping: hand the task back at once so another replica takes it.

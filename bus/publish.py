@@ -5,7 +5,9 @@ from __future__ import annotations
 import structlog
 from nats.js import JetStreamContext
 
-from bus.errors import PayloadTooLarge
+from nats.js.errors import ServiceUnavailableError
+
+from bus.errors import PayloadTooLarge, QueueFull
 from bus.metrics import MESSAGES_OUT
 from bus.subjects import Names
 from bus.tracing import TRACEPARENT_HEADER, TraceContext
@@ -16,6 +18,8 @@ from schemas.registry import Stage
 log = structlog.get_logger(__name__)
 
 MSG_ID_HEADER = "Nats-Msg-Id"
+# JetStream's answers to a publish into a stream at max_msgs / max_bytes with discard: new.
+_STREAM_FULL = {10077, 10078}
 
 
 class TaskPublisher:
@@ -44,7 +48,12 @@ class TaskPublisher:
             WIRE_VERSION_HEADER: str(WIRE_VERSION),
             TRACEPARENT_HEADER: trace.traceparent,
         }
-        ack = await self._js.publish(subject, payload, headers=headers)
+        try:
+            ack = await self._js.publish(subject, payload, headers=headers)
+        except ServiceUnavailableError as error:
+            if error.err_code in _STREAM_FULL:
+                raise QueueFull(subject, error.description or "stream limit reached") from error
+            raise
         MESSAGES_OUT.labels(stage=stage.value).inc()
         if ack.duplicate:
             log.info("publish.duplicate_dropped", subject=subject, request_id=request_id)

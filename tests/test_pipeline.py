@@ -301,3 +301,41 @@ async def test_cli_chat_keeps_the_conversation_and_ask_refuses_without_workers(b
     answers = [line for line in stdout.decode().splitlines() if line.strip()]
     assert len(answers) == 2 and all(len(a.split()) == 3 for a in answers)
     assert answers[0] != answers[1]  # the second prompt holds the whole conversation
+
+
+@pytest.mark.parametrize("settings", [bus_settings(work_max_msgs=3)])
+async def test_full_queues_answer_overloaded_at_once_never_drop_silently(bus: Bus) -> None:
+    from bus.errors import QueueFull
+    from schemas.codec import WIRE_VERSION
+    from schemas.codec import encode as encode_wire
+    from schemas.registry import WorkerCard
+
+    client = client_of(bus)
+    # No processor yet: the processor queue fills, and the fourth publish is refused to the client itself.
+    queued = [chat(client, f"queued {i}") for i in range(3)]
+    for request in queued:
+        await client.submit(request)
+    with pytest.raises(QueueFull) as refused:
+        await client.submit(chat(client, "one too many"))
+    assert refused.value.code == ErrorCode.OVERLOADED and refused.value.retryable
+    await bus.js.purge_stream(bus.names.work_stream(Stage.PROCESSOR))
+    # A decode worker that is registered but never pulls: the decode queue fills behind the processor,
+    # which then answers `overloaded` (retryable) instead of retrying or dropping.
+    card = WorkerCard(worker_id="stalled-decode", stage=Stage.DECODE, model=MOCK, mode=ServingMode.AGGREGATED,
+                      engine="mock", host="h", pid=1, started_at_s=0.0, ready=True, wire_version=WIRE_VERSION)
+    await bus.registry.put(card.worker_id, encode_wire(card))
+    async with running_workers(bus, [(Stage.PROCESSOR, mock_processor())]):
+        for i in range(3):
+            await client.submit(chat(client, f"fills decode {i}"))
+        await wait_until_async(lambda: _stream_full(bus, Stage.DECODE), timeout_s=20)
+        started = time.monotonic()
+        with pytest.raises(RemoteError) as raised:
+            async with await client.submit(chat(client, "refused")) as stream:
+                await stream.collect()
+    assert raised.value.code == ErrorCode.OVERLOADED and raised.value.frame.retryable
+    assert time.monotonic() - started < 2.0
+
+
+async def _stream_full(bus: Bus, stage: Stage) -> bool:
+    info = await bus.js.stream_info(bus.names.work_stream(stage))
+    return info.state.messages >= 3

@@ -27,7 +27,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from bus.client import PipelineClient
-from bus.errors import RemoteError, ReplyGap, ReplyStreamBroken
+from bus.errors import RejectRequest, RemoteError, ReplyGap, ReplyStreamBroken
 from bus.registry import ready_models
 from bus.replies import ReplyStream
 from schemas.client import ChatMessage, ChatRequest, CompletionRequest, EmbeddingRequest, ResponseFormat, StreamFormat
@@ -126,6 +126,14 @@ class OpenAIError(Exception):
         kind = "invalid_request_error" if status < 500 else "server_error"
         return cls(status, error.frame.message, kind, error.code.value, retry_after_s=1 if status == 503 else None)
 
+    @classmethod
+    def of_rejection(cls, rejection: RejectRequest) -> OpenAIError:
+        """Refused before it entered the pipeline (its queue is full, it is too large)."""
+        status = _STATUS.get(rejection.code, 500)
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return cls(status, rejection.message, kind, rejection.code.value,
+                   retry_after_s=1 if rejection.retryable else None)
+
 
 class Gateway:
     def __init__(self, client: PipelineClient, options: GatewayOptions) -> None:
@@ -148,6 +156,8 @@ class Gateway:
             return await handler(request)
         except OpenAIError as error:
             return error.response()
+        except RejectRequest as rejection:
+            return OpenAIError.of_rejection(rejection).response()
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "ready_models": sorted(await self._ready_models())})
