@@ -39,8 +39,9 @@ from nats.js.errors import APIError
 from pydantic import TypeAdapter, ValidationError
 
 from bus.cancel import CancelRegistry
+from bus.dead_letters import dead_letter
 from bus.errors import RejectRequest
-from bus.metrics import CANCELS, HANDLER_SECONDS, IN_FLIGHT, MESSAGES_HANDLED, MESSAGES_IN, REDELIVERIES, TERMINATIONS
+from bus.metrics import CANCELS, DEAD_LETTERS, HANDLER_SECONDS, IN_FLIGHT, MESSAGES_HANDLED, MESSAGES_IN, REDELIVERIES, TERMINATIONS
 from bus.replies import ReplySender
 from bus.settings import BusSettings
 from bus.streams import ensure_work_consumer, work_consumer_config
@@ -312,12 +313,14 @@ class WorkConsumer(Generic[TaskT]):
         if reply.frames_sent > 0:
             log.exception("task.failed_mid_stream", error=repr(error))
             await self._send_error(reply, ErrorCode.INTERNAL, f"failed mid-stream: {error}", retryable=True)
+            await self._dead_letter(msg, "failed_mid_stream", repr(error))
             await self._term(msg, "failed_mid_stream")
             return
         if delivery_count >= self._settings.max_deliver:
             log.exception("task.given_up", deliveries=delivery_count, error=repr(error))
             message = f"failed after {delivery_count} attempts: {error}"
             await self._send_error(reply, ErrorCode.INTERNAL, message, retryable=True)
+            await self._dead_letter(msg, "max_deliver", repr(error))
             await self._term(msg, "max_deliver")
             return
         delay_s = min(self._settings.retry_base_s * 2 ** (delivery_count - 1), self._settings.retry_max_s)
@@ -349,7 +352,15 @@ class WorkConsumer(Generic[TaskT]):
     async def _terminate(self, msg: Msg, reason: str, detail: str) -> None:
         log.warning("task.terminated", stage=self.stage.value, reason=reason, detail=detail)
         TERMINATIONS.labels(stage=self.stage.value, reason=reason).inc()
+        await self._dead_letter(msg, reason, detail)
         await self._term(msg, "terminated")
+
+    async def _dead_letter(self, msg: Msg, reason: str, detail: str) -> None:
+        try:
+            await dead_letter(self._js, self._names, self.stage.value, msg, reason, detail)
+            DEAD_LETTERS.labels(stage=self.stage.value, reason=reason).inc()
+        except Exception as error:  # never let keeping the evidence stop the loop
+            log.warning("task.dead_letter_failed", reason=reason, error=repr(error))
 
     async def _term(self, msg: Msg, outcome: str) -> None:
         await msg.term()

@@ -50,3 +50,5 @@ WORKER_READY = Gauge("conveyor_worker_ready", "1 when the worker takes work", ["
 MEDIA_CACHE = Counter("conveyor_media_cache_total", "Image embedding cache lookups", ["result"])
 EMBEDDING_HANDOFFS = Counter("conveyor_embedding_handoffs_total", "Embedding buffers offered over NIXL, by how they ended",
                              ["outcome"])
+# reason: undecodable | wire_version | max_deliver | failed_mid_stream
+DEAD_LETTERS = Counter("conveyor_dead_letters_total", "Tasks kept in the dead-letter stream", ["stage", "reason"])

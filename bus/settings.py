@@ -85,6 +85,8 @@ class BusSettings(BaseSettings):
     # Largest task we publish; checked before sending, and never above the server's max_payload.
     max_message_bytes: int = Field(default=8 << 20, ge=1024)
     kv_events_max_age_s: float = Field(default=3600.0, gt=0)
+    # Dead letters (tasks a stage gave up on) are kept this long for `conveyor dlq`.
+    dead_letter_max_age_s: float = Field(default=7 * 24 * 3600.0, gt=0)
     # Cancels are remembered this long, so a request pulled later is still dropped.
     cancel_ttl_s: float = Field(default=600.0, gt=0)
     # A worker whose card is not refreshed within this is gone from the registry.

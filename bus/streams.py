@@ -84,6 +84,21 @@ def kv_events_stream_config(names: Names, settings: BusSettings, max_payload: in
     )
 
 
+def dead_letter_stream_config(names: Names, settings: BusSettings, max_payload: int) -> StreamConfig:
+    return StreamConfig(
+        name=names.dead_letter_stream,
+        description="Conveyor tasks a stage gave up on, with the reason (conveyor dlq)",
+        subjects=[names.dead_letter_subject("*")],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_age=settings.dead_letter_max_age_s,
+        max_bytes=settings.work_max_bytes,
+        # Oldest go first when full: a flood of poison must not stop new dead letters being kept.
+        discard=DiscardPolicy.OLD,
+        max_msg_size=max_payload,
+    )
+
+
 async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
     """Create the stream, or bring an existing one to this config."""
     try:
@@ -100,6 +115,7 @@ async def declare_all(js: JetStreamContext, names: Names, settings: BusSettings,
         await ensure_stream(js, work_stream_config(names, stage, settings, max_payload))
     await ensure_stream(js, control_stream_config(names, settings))
     await ensure_stream(js, kv_events_stream_config(names, settings, max_payload))
+    await ensure_stream(js, dead_letter_stream_config(names, settings, max_payload))
     return await ensure_registry_bucket(js, names, settings)
 
 

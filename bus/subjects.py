@@ -71,6 +71,13 @@ class Names:
     def kv_events_stream(self) -> str:
         return f"{self._prefix}_KV_EVENTS"
 
+    def dead_letter_subject(self, stage: str) -> str:
+        return f"{self.namespace}.dead.{stage}"
+
+    @property
+    def dead_letter_stream(self) -> str:
+        return f"{self._prefix}_DEAD_LETTERS"
+
     @property
     def registry_bucket(self) -> str:
         return f"{self.namespace}_workers"
@@ -84,4 +91,4 @@ class Names:
     def all_streams(self) -> list[str]:
         """Every stream this namespace declares."""
         work = [self.work_stream(stage) for stage in Stage]
-        return [*work, self.control_stream, self.kv_events_stream, self.registry_stream]
+        return [*work, self.control_stream, self.kv_events_stream, self.dead_letter_stream, self.registry_stream]

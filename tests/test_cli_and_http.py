@@ -69,3 +69,40 @@ async def test_health_server_serves_metrics_live_and_ready() -> None:
                 assert "conveyor_messages_in_total" in await metrics.text()
     finally:
         await server.stop()
+
+
+def test_dlq_command_lists_dead_letters_and_replays_one(nats_server: EmbeddedNatsServer) -> None:
+    import asyncio
+
+    from bus.connection import connect
+    from bus.settings import BusSettings, NatsSettings
+    from bus.streams import declare_all, delete_all
+    from bus.subjects import Names
+
+    names = Names("clidlq")
+
+    async def plant() -> None:
+        nc = await connect(NatsSettings(urls=[nats_server.url]), "plant")
+        js = nc.jetstream()
+        await declare_all(js, names, BusSettings(namespace="clidlq", work_max_bytes=8 << 20), nc.max_payload)
+        await js.publish(names.dead_letter_subject("decode"), b"payload", headers={
+            "Conveyor-Dead-Reason": "max_deliver", "Conveyor-Dead-Detail": "ConnectionError('engine unreachable')",
+            "Conveyor-Dead-Subject": "clidlq.work.decode.m", "Conveyor-Dead-Deliveries": "5"})
+        await nc.close()
+
+    async def work_queue_length() -> int:
+        nc = await connect(NatsSettings(urls=[nats_server.url]), "check")
+        info = await nc.jetstream().stream_info("CLIDLQ_WORK_DECODE")
+        await delete_all(nc.jetstream(), names)
+        await nc.close()
+        return info.state.messages
+
+    asyncio.run(plant())
+    args = ["dlq", "--nats", nats_server.url, "--namespace", "clidlq"]
+    listed = CliRunner().invoke(app, args)
+    assert listed.exit_code == 0, listed.output
+    assert "max_deliver" in listed.output and "engine unreachable" in listed.output and "decode" in listed.output
+    replayed = CliRunner().invoke(app, [*args, "--replay", "1"])
+    assert replayed.exit_code == 0, replayed.output
+    assert "no dead letters" in CliRunner().invoke(app, args).output
+    assert asyncio.run(work_queue_length()) == 1

@@ -272,3 +272,39 @@ async def test_trace_context_is_carried_to_the_handler(bus: Bus) -> None:
         await wait_until(lambda: len(traces) == 1)
     assert traces[0].trace_id == origin.trace_id
     assert traces[0].span_id != origin.span_id
+
+
+async def test_poison_and_garbage_go_to_the_dead_letter_stream_and_replay_puts_them_back(bus: Bus) -> None:
+    from bus.dead_letters import list_dead_letters, replay
+
+    stream = await open_stream(bus, "poison")
+    healed = asyncio.Event()
+    succeeded: list[str] = []
+
+    async def handle(task: DecodeTask, delivery: Delivery) -> None:
+        if not healed.is_set():
+            raise ConnectionError("engine unreachable")
+        succeeded.append(task.request_id)
+
+    await publish_raw(bus, b"\xc1\xc1 definitely not msgpack", headers={"X-Origin": "fuzzer"})
+    await publish(bus, decode_task("poison", stream.inbox))
+    async with running_consumer(bus, handle):
+        with pytest.raises(RemoteError):
+            await stream.collect()
+        for _ in range(100):
+            letters = await list_dead_letters(bus.js, bus.names)
+            if len(letters) == 2:
+                break
+            await asyncio.sleep(0.05)
+        by_reason = {letter.reason: letter for letter in letters}
+        assert set(by_reason) == {"undecodable", "max_deliver"}
+        poison = by_reason["max_deliver"]
+        assert poison.stage == "decode" and poison.deliveries == 3 and "engine unreachable" in poison.detail
+        assert poison.subject == bus.names.work_subject(Stage.DECODE)
+        garbage = await bus.js.get_msg(bus.names.dead_letter_stream, by_reason["undecodable"].seq)
+        assert garbage.data == b"\xc1\xc1 definitely not msgpack" and garbage.headers["X-Origin"] == "fuzzer"
+        # The engine is back: an operator replays the poison task, and it runs.
+        healed.set()
+        assert await replay(bus.js, bus.names, poison.seq) == bus.names.work_subject(Stage.DECODE)
+        await wait_until(lambda: succeeded == ["poison"])
+    assert [letter.reason for letter in await list_dead_letters(bus.js, bus.names)] == ["undecodable"]

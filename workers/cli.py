@@ -95,6 +95,47 @@ async def _streams(nats: NatsSettings, bus: BusSettings, declare: bool, delete: 
 
 
 @app.command()
+def dlq(
+    replay_seq: Annotated[int | None, typer.Option("--replay", help="Put this dead letter back on its work subject.")] = None,
+    limit: Annotated[int, typer.Option(min=1, help="List at most this many.")] = 100,
+    nats: NatsOption = None,
+    namespace: NamespaceOption = None,
+    log_level: LogLevelOption = "WARNING",
+) -> None:
+    """Show the tasks stages gave up on (dead letters), with why; --replay SEQ sends one back to its stage."""
+    configure_logging(log_level)
+    nats_settings, bus_settings = load_settings(nats, namespace)
+    asyncio.run(_dlq(nats_settings, bus_settings, replay_seq, limit))
+
+
+async def _dlq(nats: NatsSettings, bus: BusSettings, replay_seq: int | None, limit: int) -> None:
+    from datetime import UTC, datetime
+
+    from bus.connection import connect
+    from bus.dead_letters import list_dead_letters, replay
+    from bus.subjects import Names
+
+    nc = await connect(nats, name="conveyor-dlq")
+    try:
+        js, names = nc.jetstream(), Names(bus.namespace)
+        if replay_seq is not None:
+            subject = await replay(js, names, replay_seq)
+            typer.echo(f"dead letter {replay_seq} replayed onto {subject}", err=True)
+            return
+        letters = await list_dead_letters(js, names, limit)
+        if not letters:
+            typer.echo(f"no dead letters in namespace {names.namespace}", err=True)
+            return
+        typer.echo(f"{'seq':>6} {'stored (UTC)':<20} {'stage':<10} {'reason':<18} {'tries':>5} {'bytes':>8}  detail")
+        for letter in letters:
+            stored = datetime.fromtimestamp(letter.stored_at_s, UTC).strftime("%Y-%m-%d %H:%M:%S")
+            typer.echo(f"{letter.seq:>6} {stored:<20} {letter.stage:<10} {letter.reason:<18} {letter.deliveries:>5} "
+                       f"{letter.size_bytes:>8}  {letter.detail[:80]}")
+    finally:
+        await nc.close()
+
+
+@app.command()
 def server(
     port: Annotated[int, typer.Option(help="Client port.")] = 4222,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
