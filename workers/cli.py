@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, TypeVar
 
 import typer
 
 from bus.logs import configure_logging
 from bus.settings import BusSettings, NatsSettings
+
+T = TypeVar("T")
 
 app = typer.Typer(
     help="Conveyor: LLM serving as a pipeline of stage workers joined by NATS JetStream.",
@@ -311,6 +314,21 @@ def up(
     raise typer.Exit(asyncio.run(run_up(nats_settings, bus_settings, embedded, options)))
 
 
+def _run_client(command: Coroutine[Any, Any, T]) -> T:
+    """Run a client command; a refusal or failure is one sentence on stderr and an exit code (2: nothing
+    serves the model, 1: anything else), never a traceback."""
+    from workers.client_commands import NoWorkerServes, explain
+
+    try:
+        return asyncio.run(command)
+    except NoWorkerServes as error:
+        typer.echo(f"[conveyor] {error}", err=True)
+        raise typer.Exit(2) from None
+    except Exception as error:
+        typer.echo(f"[conveyor] {explain(error)}", err=True)
+        raise typer.Exit(1) from None
+
+
 @app.command("ask")
 def ask_command(
     prompt: Annotated[str, typer.Argument(help="The question; sent as a chat message.")],
@@ -326,20 +344,13 @@ def ask_command(
 
     Says at once when no ready pipeline serves the model, instead of waiting.
     """
-    from workers.client_commands import NoWorkerServes, ask, explain, report
+    from workers.client_commands import ask, report
     from workers.engines.torch_engine.loader import DEFAULT_MODEL
 
     configure_logging(log_level)
     nats_settings, bus_settings = load_settings(nats, namespace)
-    try:
-        report(asyncio.run(ask(nats_settings, bus_settings, model or DEFAULT_MODEL, prompt, max_tokens, temperature,
-                               timeout_s)))
-    except NoWorkerServes as error:
-        typer.echo(f"[conveyor] {error}", err=True)
-        raise typer.Exit(2) from None
-    except Exception as error:
-        typer.echo(f"[conveyor] {explain(error)}", err=True)
-        raise typer.Exit(1) from None
+    report(_run_client(ask(nats_settings, bus_settings, model or DEFAULT_MODEL, prompt, max_tokens, temperature,
+                           timeout_s)))
 
 
 @app.command("embed")
@@ -354,18 +365,11 @@ def embed_command(
     log_level: LogLevelOption = "WARNING",
 ) -> None:
     """Embed texts through the bus; prints one JSON line per text: {"index", "dimensions", "embedding"}."""
-    from workers.client_commands import NoWorkerServes, embed, explain
+    from workers.client_commands import embed
 
     configure_logging(log_level)
     nats_settings, bus_settings = load_settings(nats, namespace)
-    try:
-        result = asyncio.run(embed(nats_settings, bus_settings, model, texts, dimensions, timeout_s))
-    except NoWorkerServes as error:
-        typer.echo(f"[conveyor] {error}", err=True)
-        raise typer.Exit(2) from None
-    except Exception as error:
-        typer.echo(f"[conveyor] {explain(error)}", err=True)
-        raise typer.Exit(1) from None
+    result = _run_client(embed(nats_settings, bus_settings, model, texts, dimensions, timeout_s))
     for item in result.data:
         vector = list(item.vector) if not isinstance(item.vector, bytes) else []
         typer.echo(json.dumps({"index": item.index, "dimensions": len(vector), "embedding": vector}))
@@ -383,16 +387,12 @@ def chat_command(
     log_level: LogLevelOption = "WARNING",
 ) -> None:
     """An interactive conversation through the bus: one question per line, answers streamed."""
-    from workers.client_commands import NoWorkerServes, chat_loop
+    from workers.client_commands import chat_loop
     from workers.engines.torch_engine.loader import DEFAULT_MODEL
 
     configure_logging(log_level)
     nats_settings, bus_settings = load_settings(nats, namespace)
-    try:
-        asyncio.run(chat_loop(nats_settings, bus_settings, model or DEFAULT_MODEL, max_tokens, temperature, timeout_s))
-    except NoWorkerServes as error:
-        typer.echo(f"[conveyor] {error}", err=True)
-        raise typer.Exit(2) from None
+    _run_client(chat_loop(nats_settings, bus_settings, model or DEFAULT_MODEL, max_tokens, temperature, timeout_s))
 
 
 @app.command()

