@@ -79,8 +79,11 @@ async def load_media(items: list[MediaItem], limits: MediaLimits) -> list[Loaded
             raise MediaError(ErrorCode.UNSUPPORTED, f"{item.modality} input is not supported by this model family")
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=limits.fetch_timeout_s)) as session:
         raw = await asyncio.gather(*(_fetch(item.source.url, limits, session) for item in items))
-    return [LoadedImage(_decode_image(data, limits, index), xxhash.xxh3_64_intdigest(data))
-            for index, data in enumerate(raw)]
+    # Decoding is CPU work (tens of ms for a large image): in threads, off the event loop that keeps
+    # heartbeats and acks going; Pillow releases the GIL while it decodes, so images decode in parallel.
+    images = await asyncio.gather(*(asyncio.to_thread(_decode_image, data, limits, index)
+                                    for index, data in enumerate(raw)))
+    return [LoadedImage(image, xxhash.xxh3_64_intdigest(data)) for image, data in zip(images, raw, strict=True)]
 
 
 async def _fetch(url: str, limits: MediaLimits, session: aiohttp.ClientSession) -> bytes:
@@ -214,13 +217,16 @@ class MediaEncoder:
         missing = [image for image, rows in zip(images, cached) if rows is None]
         if missing:
             async with self._lock:
-                pixels = torch.stack([preprocess(image.image, self._tower.config) for image in missing])
-                computed = await asyncio.to_thread(self._tower, pixels)
+                computed = await asyncio.to_thread(self._encode_images, [image.image for image in missing])
             fresh = {image.content_hash: computed[index].contiguous() for index, image in enumerate(missing)}
             for content_hash, rows in fresh.items():
                 self.cache.put(content_hash, rows)
             cached = [rows if rows is not None else fresh[image.content_hash] for image, rows in zip(images, cached)]
         return [rows for rows in cached if rows is not None]
+
+    def _encode_images(self, images: list[Image.Image]) -> torch.Tensor:
+        pixels = torch.stack([preprocess(image, self._tower.config) for image in images])
+        return self._tower(pixels)
 
     def _expand(self, token_ids: list[int], images: list[LoadedImage]) -> list[int]:
         placeholder, expanded, next_image = placeholder_id(self._vocab_size), [], 0
