@@ -2,7 +2,9 @@
 
 Consumes `DecodeTask` from `{ns}.work.decode.{model}`. Aggregated tasks (no bootstrap) run prompt
 and generation on this engine; disaggregated tasks carry `{bootstrap_host, bootstrap_port,
-bootstrap_room}` and the engine reads the prompt's KV from that prefill engine first.
+bootstrap_room}` and the engine reads the prompt's KV from that prefill engine first. A task with images
+carries either a `NixlHandle` (E/PD: the encode worker's rows, read over NIXL) or the images themselves (EPD:
+encoded here, when this worker has a vision path); the rows replace the prompt's image tokens' embeddings.
 
 Emits to the task's `reply_to`: `TokenChunk`s — token ids always, the text delta when the request
 asked for text (whole characters only, matched stop strings hidden), an OpenAI
@@ -11,7 +13,9 @@ finish reason and usage (prompt, completion, total, cached tokens).
 
 Fails how: a task redelivered because its replica died mid-way → retryable `worker_lost` error
 frame (the answer may have been partly streamed; the client retries); an option the engine cannot honour → `unsupported` error frame; an engine error →
-`internal` error frame; a KV handoff that cannot complete → retryable `worker_lost` error frame.
+`internal` error frame; a KV handoff that cannot complete, or image rows that cannot be read → retryable
+`worker_lost` error frame; images for a worker without a vision path → `unsupported`; bad media (EPD) → the
+encode stage's errors.
 A `Cancel` (or the client vanishing, seen by the reply stream's liveness probe) aborts the engine
 request at once, freeing its blocks, and the client gets `finish_reason: cancelled`.
 """

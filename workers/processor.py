@@ -5,13 +5,16 @@ Consumes `ChatRequest` / `CompletionRequest` / `EmbeddingRequest` (OpenAI shapes
 chat template (chat), tokenizes (text prompts; token-id prompts skip both), validates, maps the
 OpenAI fields onto sampling options and stop conditions, and routes by the model's serving mode,
 read from the live worker cards: aggregated → `DecodeTask` on `{ns}.work.decode.{model}`,
-disaggregated → `PrefillTask` on `{ns}.work.prefill.{model}`, embeddings → `EmbedTask`.
+disaggregated → `PrefillTask` on `{ns}.work.prefill.{model}`, embeddings → `EmbedTask`. A chat with images
+gets one placeholder token per image and goes to `{ns}.work.encode.{model}` (`EncodeTask`, naming prefill or
+decode as the next stage, by the encode workers' mode) when encode workers are live, else, with its images, to an
+LLM worker that encodes in-process (EPD).
 
 Emits to the client only errors; the stage that finishes the request streams the reply.
 
 Fails how (each an error frame to the inbox, then ack; the processor goes on serving):
 unknown model → `unknown_model`; empty input, or images for a text-only pipeline → `invalid_request`
-/ `unsupported`; prompt not shorter than the context → `context_length_exceeded`; no live worker for
+/ `unsupported` (video: `unsupported`); a full next queue → `overloaded` (retryable); prompt not shorter than the context → `context_length_exceeded`; no live worker for
 a stage the model's mode needs → `unknown_model` naming the missing stage. Out-of-range sampling
 values never reach here: the consumer answers them with `invalid_request` from the schema.
 """
