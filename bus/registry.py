@@ -65,8 +65,7 @@ class Registration:
         await self._bucket.delete(self.card.worker_id)
 
     async def write_now(self) -> None:
-        """Write the card at once, declaring the bucket first (after a NATS restart)."""
-        self._reopen_needed = True
+        """Write the card at once (after a NATS restart, once the caller has declared the bucket again)."""
         await self._write()
 
     async def _write(self) -> None:

@@ -35,8 +35,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from bus.metrics import MEDIA_CACHE
 from schemas.replies import ErrorCode
-from schemas.tasks import MediaItem
+from schemas.tasks import MediaItem, NixlHandle
 from workers.engines.torch_engine.vision import VisionTower, pad_id, placeholder_id, preprocess
+from workers.media_transfer import EmbeddingReader
 
 log = structlog.get_logger(__name__)
 
@@ -221,8 +222,8 @@ class MediaEncoder:
             fresh = {image.content_hash: computed[index].contiguous() for index, image in enumerate(missing)}
             for content_hash, rows in fresh.items():
                 self.cache.put(content_hash, rows)
-            cached = [rows if rows is not None else fresh[image.content_hash] for image, rows in zip(images, cached)]
-        return [rows for rows in cached if rows is not None]
+            return [rows if rows is not None else fresh[image.content_hash] for image, rows in zip(images, cached)]
+        return [rows for rows in cached if rows is not None]  # all cached
 
     def _encode_images(self, images: list[Image.Image]) -> torch.Tensor:
         pixels = torch.stack([preprocess(image, self._tower.config) for image in images])
@@ -246,21 +247,18 @@ class ImageInputs:
     def __init__(self, encoder: MediaEncoder | None, reader_name: str, transfer_timeout_s: float = 30.0) -> None:
         self.encoder = encoder
         self._reader_name = reader_name
-        self._reader: object | None = None
+        # Made on the first handle: a NIXL agent only where rows actually arrive.
+        self._reader: EmbeddingReader | None = None
         self._transfer_timeout_s = transfer_timeout_s
 
     async def resolve(self, request_id: str, token_ids: list[int], items: list[MediaItem],
-                      handle: object | None) -> tuple[list[int], torch.Tensor | None]:
+                      handle: NixlHandle | None) -> tuple[list[int], torch.Tensor | None]:
         """The prompt to run and its image rows (None for a text prompt). Raises `MediaError`, or
         `TransferFailed` when the encode worker's buffer cannot be read."""
         if handle is not None:
-            from workers.media_transfer import EmbeddingReader
-
             if self._reader is None:
                 self._reader = EmbeddingReader(self._reader_name)
-            reader = self._reader
-            assert isinstance(reader, EmbeddingReader)
-            rows = await asyncio.to_thread(reader.read, handle, request_id, self._transfer_timeout_s)  # type: ignore[arg-type]
+            rows = await asyncio.to_thread(self._reader.read, handle, request_id, self._transfer_timeout_s)
             return token_ids, rows
         if not items:
             return token_ids, None
