@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from bus.client import PipelineClient
+from bus.registry import live_workers
 from schemas.client import ChatMessage, ChatRequest, CompletionRequest, StreamFormat
 from schemas.registry import ServingMode, Stage
 from workers.decode import DecodeStage
@@ -62,11 +63,22 @@ async def running_workers(bus: Bus, specs: Sequence[tuple[Stage, PipelineStage]]
                 task.result()  # raise the startup error
             assert runtime.started.is_set(), f"{stage_kind.value} worker did not start"
             workers.append(Worker(runtime, stage, task))
+        await _all_registered(bus, workers)
         yield workers
     finally:
         for worker in reversed(workers):
             worker.runtime.request_stop()
         await asyncio.gather(*(w.task for w in workers), return_exceptions=True)
+
+
+async def _all_registered(bus: Bus, workers: list[Worker], timeout_s: float = 30.0) -> None:
+    """Every worker's card is live. In-process workers share one event loop: an engine loading its
+    weights stalls the others' registry beats, and a card can expire before the first request."""
+    expected = {worker.runtime.options.worker_id for worker in workers}
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while expected - {card.worker_id for card in await live_workers(bus.registry) if card.ready}:
+        assert asyncio.get_running_loop().time() < deadline, "a worker's card did not come back"
+        await asyncio.sleep(0.05)
 
 
 def mock_processor() -> ProcessorStage:
