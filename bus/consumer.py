@@ -16,6 +16,12 @@ the message around it:
 | handler raised after streaming some frames     | retryable error frame, term (a retry would repeat      |
 |                                                | output the client already has)                         |
 | worker stopping with the handler unfinished    | nak without delay, so another replica takes it         |
+| journaled stage, redelivered, journal ended    | ack (the request ended; only the ack was lost)         |
+| journaled stage, redelivered, journal fresh    | hold it, watch the journal until its holder (alive but |
+|                                                | slow) ends it or goes quiet                            |
+
+A stage that streams (decode) journals its reply streams (bus/journal.py): on redelivery the handler
+gets the journal's `Progress` and decides whether to take the request over where it stopped.
 
 While a handler runs, `in_progress` is sent every third of the ack wait so JetStream does not
 redeliver long work. At most `max_concurrency` handlers run at once per worker; fetches ask only
@@ -41,7 +47,18 @@ from pydantic import TypeAdapter, ValidationError
 from bus.cancel import CancelRegistry
 from bus.dead_letters import dead_letter
 from bus.errors import RejectRequest
-from bus.metrics import CANCELS, DEAD_LETTERS, HANDLER_SECONDS, IN_FLIGHT, MESSAGES_HANDLED, MESSAGES_IN, REDELIVERIES, TERMINATIONS
+from bus.journal import Progress, ReplyJournal, read_progress
+from bus.metrics import (
+    CANCELS,
+    DEAD_LETTERS,
+    HANDLER_SECONDS,
+    IN_FLIGHT,
+    MESSAGES_HANDLED,
+    MESSAGES_IN,
+    MIGRATIONS,
+    REDELIVERIES,
+    TERMINATIONS,
+)
 from bus.replies import ReplySender
 from bus.settings import BusSettings
 from bus.streams import ensure_work_consumer, work_consumer_config
@@ -86,6 +103,8 @@ class Delivery:
     cancelled: asyncio.Event
     # The request's reply stream; enter it (`async with`) to start heartbeats while streaming.
     reply: ReplySender
+    # Journaled stages, on redelivery: what the client was sent before (`reply.resume` takes it over).
+    progress: Progress | None = None
 
 
 Handler = Callable[[TaskT, Delivery], Awaitable[None]]
@@ -101,6 +120,8 @@ class ConsumerOptions:
     in_progress_interval_s: float | None = None
     # Coalescing window of reply streams this worker sends (0: every chunk goes out at once).
     coalesce_window_s: float = 0.0
+    # Journal reply streams so another replica can take a request over (the decode stage).
+    journal_replies: bool = False
 
 
 class WorkConsumer(Generic[TaskT]):
@@ -265,12 +286,21 @@ class WorkConsumer(Generic[TaskT]):
             await self._run_handler(msg, task)
 
     async def _run_handler(self, msg: Msg, task: TaskT) -> None:
+        journal, progress = None, None
+        if self._options.journal_replies:
+            progress = await self._progress_of(msg, task.request_id)
+            if progress is not None:
+                progress = await self._may_take_over(msg, task.request_id, progress)
+                if progress is None:
+                    return
+            journal = ReplyJournal(self._nc, self._names.progress_subject(task.request_id), task.request_id, progress)
         reply = ReplySender(
             self._nc,
             task.reply_to,
             task.request_id,
             coalesce_window_s=self._options.coalesce_window_s,
             heartbeat_interval_s=self._settings.heartbeat_interval_s,
+            journal=journal,
         )
         if self._cancels.is_cancelled(task.request_id):
             CANCELS.labels(where="queued").inc()
@@ -286,6 +316,7 @@ class WorkConsumer(Generic[TaskT]):
                 trace=TraceContext.from_headers(msg.headers).child(),
                 cancelled=cancelled,
                 reply=reply,
+                progress=progress,
             )
             keep_alive = asyncio.create_task(self._keep_alive(msg))
             started_s = time.perf_counter()
@@ -296,6 +327,7 @@ class WorkConsumer(Generic[TaskT]):
                 await self._ack(msg, "rejected")
             except asyncio.CancelledError:
                 # The worker is stopping: hand the task back at once so another replica takes it.
+                await _quietly(reply.release())
                 await msg.nak()
                 MESSAGES_HANDLED.labels(stage=self.stage.value, outcome="handed_back").inc()
                 raise
@@ -307,6 +339,37 @@ class WorkConsumer(Generic[TaskT]):
                 keep_alive.cancel()
                 await reply.close_background()
                 HANDLER_SECONDS.labels(stage=self.stage.value).observe(time.perf_counter() - started_s)
+
+    async def _progress_of(self, msg: Msg, request_id: str) -> Progress | None:
+        """A redelivered task's journal (None on first delivery: nothing can have been streamed)."""
+        if msg.metadata.num_delivered <= 1:
+            return None
+        return await read_progress(self._js, self._names, request_id)
+
+    async def _may_take_over(self, msg: Msg, request_id: str, progress: Progress) -> Progress | None:
+        """The journal once its holder is gone; None when the request must not run here (acked)."""
+        progress = await self._wait_while_held(msg, request_id, progress)
+        if progress.finished:
+            # The terminal frame went out; the worker died before its ack.
+            MIGRATIONS.labels(stage=self.stage.value, outcome="ended_already").inc()
+            await self._ack(msg, "acked")
+            return None
+        return progress
+
+    async def _wait_while_held(self, msg: Msg, request_id: str, progress: Progress) -> Progress:
+        """Redelivered while its journal is still being written: the holder stalled past the ack wait
+        but lives. Two writers would interleave two answers, so hold the task (in_progress) and watch
+        the journal until it ends or goes quiet. Naking instead would spend deliveries (max_deliver)."""
+        # A live holder journals at least one frame per heartbeat interval (heartbeats included).
+        fresh_s = 2 * self._settings.heartbeat_interval_s + 0.5
+        if progress.streamed and not progress.released and not progress.finished and progress.age_s < fresh_s:
+            MIGRATIONS.labels(stage=self.stage.value, outcome="holder_alive").inc()
+            log.warning("task.holder_alive", journal_age_s=round(progress.age_s, 3))
+        while progress.streamed and not progress.released and not progress.finished and progress.age_s < fresh_s:
+            await msg.in_progress()
+            await asyncio.sleep(fresh_s - progress.age_s)
+            progress = await read_progress(self._js, self._names, request_id)
+        return progress
 
     async def _retry_or_give_up(self, msg: Msg, reply: ReplySender, error: Exception) -> None:
         delivery_count = msg.metadata.num_delivered
@@ -378,6 +441,14 @@ async def _first_of(*waits: Awaitable[object]) -> None:
     finally:
         for task in tasks:
             task.cancel()
+
+
+async def _quietly(step: Awaitable[None]) -> None:
+    """A best-effort step on the way out (NATS may be away); its failure must not stop the rest."""
+    try:
+        await step
+    except Exception as error:
+        log.warning("task.step_failed", error=repr(error))
 
 
 def _queued_s(msg: Msg) -> float:

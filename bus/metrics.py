@@ -52,3 +52,8 @@ EMBEDDING_HANDOFFS = Counter("conveyor_embedding_handoffs_total", "Embedding buf
                              ["outcome"])
 # reason: undecodable | wire_version | max_deliver | failed_mid_stream
 DEAD_LETTERS = Counter("conveyor_dead_letters_total", "Tasks kept in the dead-letter stream", ["stage", "reason"])
+
+# Migration: a request taken over mid-stream by another replica. outcome: migrated | ended_already (only the
+# ack was lost) | holder_alive (the journal is fresh: handed back for later) | over_limit | over_max_seq_len |
+# not_migratable (guided decoding, n > 1)
+MIGRATIONS = Counter("conveyor_migrations_total", "Redelivered streaming requests, by what became of them", ["stage", "outcome"])

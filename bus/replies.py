@@ -8,8 +8,12 @@ for a client that is gone.
 Receiver side: `ReplyStream` subscribes before the request is published, answers liveness probes,
 yields chunks in order and ends at the terminal frame. It raises `ReplyGap` when a frame is missing,
 `ReplyStreamBroken` when nothing arrives within the window, and `RemoteError` on an error frame
-(accepted whatever its number: a replica that took the request over numbers from 0), so a client
-never waits forever.
+(accepted whatever its number: it may come from an earlier stage), so a client never waits forever.
+A frame numbered below the next expected one is a duplicate (a replica that took the request over
+sends its predecessor's last frame again) and is dropped.
+
+Journaled streams (bus/journal.py) also record each frame before sending it, so another replica can
+take the request over (`resume`) if this worker dies.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from bus.errors import RemoteError, ReplyGap, ReplyStreamBroken
+from bus.journal import Progress, ReplyJournal
 from bus.lifecycle import sleep_unless
 from bus.metrics import CLIENTS_GONE, REPLY_FRAMES
 from schemas.codec import decode_as, encode
@@ -72,8 +77,13 @@ class ReplySender:
         *,
         coalesce_window_s: float = 0.0,
         heartbeat_interval_s: float = 1.0,
+        journal: ReplyJournal | None = None,
     ) -> None:
         self._nc = nc
+        self._journal = journal
+        self._last_payload: bytes | None = None
+        # Times this request moved to another replica before this sender (told in the final frame).
+        self.migrations = 0
         self.reply_to = reply_to
         self.request_id = request_id
         self._coalesce_window_s = coalesce_window_s
@@ -99,6 +109,33 @@ class ReplySender:
     @property
     def frames_sent(self) -> int:
         return self._seq
+
+    @property
+    def journaled(self) -> bool:
+        return self._journal is not None
+
+    async def resume(self, progress: Progress) -> None:
+        """Take the stream over where a dead replica left it: go on with its numbering, and send its
+        last frame again (the client drops it if it already has it)."""
+        assert self._journal is not None and self._seq == 0
+        self._seq = progress.next_seq
+        self.migrations = progress.migrations + 1
+        self._journal.taken_over()
+        async with self._lock:
+            # The takeover itself is recorded first, so a replica after this one counts it.
+            await self._journal.snapshot(self._seq, progress.last_frame)
+            if progress.last_frame is not None:
+                await self._nc.publish(self.reply_to, progress.last_frame)
+            self._last_payload = progress.last_frame
+
+    async def release(self) -> None:
+        """This worker is stopping with the request unfinished: tell the journal the next replica may
+        take it over at once (no waiting to be sure this one is dead)."""
+        if self._journal is None or self._closed:
+            return
+        await self._flush()
+        async with self._lock:
+            await self._journal.snapshot(self._seq, self._last_payload, released=True)
 
     async def close_background(self) -> None:
         """Stop heartbeats and drop nothing: pending coalesced tokens are flushed first."""
@@ -134,7 +171,8 @@ class ReplySender:
 
     async def finish(self, reason: FinishReason, usage: Usage, matched_stop: str | int | None = None) -> None:
         await self._flush()
-        await self._send_terminal(FinalFrame, finish_reason=reason, usage=usage, matched_stop=matched_stop)
+        await self._send_terminal(FinalFrame, finish_reason=reason, usage=usage, matched_stop=matched_stop,
+                                  migrations=self.migrations)
 
     async def fail(self, code: ErrorCode, message: str, retryable: bool = False) -> None:
         await self._flush()
@@ -211,9 +249,20 @@ class ReplySender:
             else:
                 payload = encode(frame_type.model_construct(request_id=self.request_id, seq=self._seq, **fields))
             self._seq += 1
+            if self._journal is not None:
+                await self._record(frame_type, payload, fields)
             await self._nc.publish(self.reply_to, payload)
+            self._last_payload = payload
             self._last_sent_s = time.monotonic()
         _FRAMES_SENT[frame_type.model_fields["kind"].default].inc()
+
+    async def _record(self, frame_type: type[ReplyFrame], payload: bytes, fields: dict[str, Any]) -> None:
+        """Journal the frame before it goes to the inbox (bus/journal.py says why this order)."""
+        assert self._journal is not None
+        if frame_type in (FinalFrame, ErrorFrame, EmbeddingResult):
+            await self._journal.end(payload)
+        else:
+            await self._journal.record(payload, self._seq, fields.get("token_ids"), fields.get("text"))
 
     async def _stop_background(self) -> None:
         self._background_stopped.set()
@@ -287,7 +336,7 @@ class ReplyStream:
         inbox: str,
         request_id: str,
         *,
-        heartbeat_timeout_s: float = 5.0,
+        heartbeat_timeout_s: float = 10.0,
         first_frame_timeout_s: float = 60.0,
     ) -> None:
         self._nc = nc
@@ -364,6 +413,9 @@ class ReplyStream:
             # An error ends the stream whoever sends it: it may come from a replica that took
             # over the request (its own numbering starts at 0) or from an earlier stage.
             return frame
+        if frame.seq < self._next_seq:
+            # A replica that took the request over sends its predecessor's last frame again.
+            return await self._next_frame()
         if frame.seq != self._next_seq:
             raise ReplyGap(f"reply stream of {self.request_id}: expected frame #{self._next_seq}, got #{frame.seq}")
         self._next_seq += 1

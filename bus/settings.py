@@ -87,12 +87,17 @@ class BusSettings(BaseSettings):
     kv_events_max_age_s: float = Field(default=3600.0, gt=0)
     # Dead letters (tasks a stage gave up on) are kept this long for `conveyor dlq`.
     dead_letter_max_age_s: float = Field(default=7 * 24 * 3600.0, gt=0)
+    # Reply journals (for migration) are kept this long after their last record, within this many bytes.
+    journal_max_age_s: float = Field(default=900.0, gt=0)
+    journal_max_bytes: int = Field(default=256 << 20, ge=1 << 20)
     # Cancels are remembered this long, so a request pulled later is still dropped.
     cancel_ttl_s: float = Field(default=600.0, gt=0)
     # A worker whose card is not refreshed within this is gone from the registry.
     registry_ttl_s: float = Field(default=10.0, ge=1.0)
-    # JetStream redelivers a task whose handler neither acked nor sent in_progress in this time.
-    ack_wait_s: float = Field(default=30.0, gt=0)
+    # JetStream redelivers a task whose handler neither acked nor sent in_progress in this time, so it
+    # is how long a dead worker's request waits before another replica takes it over (in_progress goes
+    # out every third of it). Keep it below `heartbeat_timeout_s`, or clients give up first.
+    ack_wait_s: float = Field(default=4.0, gt=0)
     # Deliveries of one task before it is given up (terminated, and the client told).
     max_deliver: int = Field(default=5, ge=1)
     # Delay before a nak'ed task is redelivered: base * 2**(delivery-1), capped.
@@ -100,4 +105,5 @@ class BusSettings(BaseSettings):
     retry_max_s: float = Field(default=10.0, gt=0)
     # Replies: a quiet sender heartbeats at this interval; a receiver gives up after the timeout.
     heartbeat_interval_s: float = Field(default=1.0, gt=0)
-    heartbeat_timeout_s: float = Field(default=5.0, gt=0)
+    # The timeout covers a takeover: a dead worker's request resumes within `ack_wait_s` and a fetch.
+    heartbeat_timeout_s: float = Field(default=10.0, gt=0)

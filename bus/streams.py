@@ -4,6 +4,7 @@
   durable pull consumer, so each task goes to exactly one of them;
 - `{NS}_CONTROL`: cancels, kept for the cancel TTL so a worker that starts late still learns them;
 - `{NS}_KV_EVENTS`: KV-cache events, limits retention with a max age (a router replays from it);
+- `{NS}_PROGRESS`: reply journals (bus/journal.py), in memory, so a replica can take a request over;
 - `{ns}_workers`: the registry bucket, whose TTL expires the cards of workers that stopped.
 """
 
@@ -99,6 +100,24 @@ def dead_letter_stream_config(names: Names, settings: BusSettings, max_payload: 
     )
 
 
+def progress_stream_config(names: Names, settings: BusSettings, max_payload: int) -> StreamConfig:
+    return StreamConfig(
+        name=names.progress_stream,
+        description="Conveyor reply journals: what each streaming request has sent, for migration",
+        subjects=[f"{names.namespace}.progress.>"],
+        retention=RetentionPolicy.LIMITS,
+        # A journal must outlive a worker, not the server; memory keeps a record per frame cheap.
+        storage=StorageType.MEMORY,
+        # Snapshots roll a request's records up; the terminal frame rolls them up to one record.
+        allow_rollup_hdrs=True,
+        max_age=settings.journal_max_age_s,
+        max_bytes=settings.journal_max_bytes,
+        # Oldest go first when full (ended requests' terminal records, in practice).
+        discard=DiscardPolicy.OLD,
+        max_msg_size=max_payload,
+    )
+
+
 async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
     """Create the stream, or bring an existing one to this config."""
     try:
@@ -116,6 +135,7 @@ async def declare_all(js: JetStreamContext, names: Names, settings: BusSettings,
     await ensure_stream(js, control_stream_config(names, settings))
     await ensure_stream(js, kv_events_stream_config(names, settings, max_payload))
     await ensure_stream(js, dead_letter_stream_config(names, settings, max_payload))
+    await ensure_stream(js, progress_stream_config(names, settings, max_payload))
     return await ensure_registry_bucket(js, names, settings)
 
 

@@ -78,6 +78,13 @@ class Names:
     def dead_letter_stream(self) -> str:
         return f"{self._prefix}_DEAD_LETTERS"
 
+    def progress_subject(self, request_id: str) -> str:
+        return f"{self.namespace}.progress.{request_id}"
+
+    @property
+    def progress_stream(self) -> str:
+        return f"{self._prefix}_PROGRESS"
+
     @property
     def registry_bucket(self) -> str:
         return f"{self.namespace}_workers"
@@ -91,4 +98,5 @@ class Names:
     def all_streams(self) -> list[str]:
         """Every stream this namespace declares."""
         work = [self.work_stream(stage) for stage in Stage]
-        return [*work, self.control_stream, self.kv_events_stream, self.dead_letter_stream, self.registry_stream]
+        return [*work, self.control_stream, self.kv_events_stream, self.dead_letter_stream, self.progress_stream,
+                self.registry_stream]

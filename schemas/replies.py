@@ -1,8 +1,10 @@
 """Frames a worker publishes to a request's reply inbox (core NATS, in order, numbered).
 
 A stream is zero or more `TokenChunk` / `Heartbeat` frames ended by exactly one terminal frame:
-`FinalFrame`, `ErrorFrame` or `EmbeddingResult`. `seq` counts from 0 per sender, so a receiver can
-detect a lost frame. A sender that has been quiet for its heartbeat interval sends a `Heartbeat`
+`FinalFrame`, `ErrorFrame` or `EmbeddingResult`. `seq` counts from 0 per request, so a receiver can
+detect a lost frame. A replica that takes over a request mid-stream (migration) goes on with the
+numbering and first sends again the last frame its predecessor may have sent: a receiver drops a frame
+whose `seq` it has already seen. A sender that has been quiet for its heartbeat interval sends a `Heartbeat`
 as a request: the receiver answers it, which tells the sender the client is still there.
 """
 
@@ -113,6 +115,8 @@ class FinalFrame(WireModel):
     usage: Usage
     # The stop string or stop token id that ended generation, when one did.
     matched_stop: str | int | None = None
+    # How many times the request moved to another replica mid-stream (its worker died or stopped).
+    migrations: int = Field(default=0, ge=0)
 
 
 class ErrorFrame(WireModel):

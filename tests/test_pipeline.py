@@ -246,38 +246,6 @@ async def test_released_memory_takes_the_worker_out_until_resumed(bus: Bus) -> N
             assert ready_models(await live_workers(bus.registry)) == {MOCK: ServingMode.AGGREGATED}
 
 
-@pytest.mark.parametrize("settings", [bus_settings(heartbeat_timeout_s=8.0, ack_wait_s=1.5)])
-async def test_killed_decode_worker_ends_the_stream_with_a_retryable_error(bus: Bus) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CONVEYOR_NAMESPACE": bus.settings.namespace,
-           "CONVEYOR_ACK_WAIT_S": "1.5", "CONVEYOR_NATS_URLS": bus.nats_settings.urls[0]}
-    doomed = subprocess.Popen([sys.executable, "-m", "workers.cli", "worker", "decode", "--engine", "mock",
-                               "--log-level", "WARNING"], cwd=REPO_ROOT, env=env)
-    try:
-        async with running_workers(bus, [(Stage.PROCESSOR, mock_processor())]):
-            await wait_until_async(lambda: _has_ready_decode(bus), timeout_s=60)
-            client = client_of(bus)
-            request = chat(client, "a long story", max_tokens=100000)
-            async with await client.submit(request) as stream:
-                chunks = stream.__aiter__()
-                await chunks.__anext__()
-                async with running_workers(bus, [(Stage.DECODE, mock_decode())]):
-                    doomed.kill()
-                    killed_at = time.monotonic()
-                    with pytest.raises(RemoteError) as raised:
-                        async for _ in chunks:
-                            pass
-                    waited_s = time.monotonic() - killed_at
-        assert raised.value.code == ErrorCode.WORKER_LOST and raised.value.frame.retryable
-        assert waited_s < 6.0  # the ack wait (1.5 s) plus the replica's fetch, not a hang
-    finally:
-        doomed.kill()
-        doomed.wait()
-
-
-async def _has_ready_decode(bus: Bus) -> bool:
-    return any(c.stage == Stage.DECODE and c.ready for c in await live_workers(bus.registry))
-
-
 async def wait_until_async(predicate, timeout_s: float) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
     while not await predicate():

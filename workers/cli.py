@@ -242,6 +242,11 @@ def worker(
     shutdown_grace_s: Annotated[float, typer.Option(help="On SIGTERM, how long in-flight work may finish before it is handed back.")] = 30.0,
     load_format: Annotated[str, typer.Option(help="auto, or dummy (random weights; for benchmarks).")] = "auto",
     coalesce_ms: Annotated[float, typer.Option(min=0.0, help="Merge a stream's tokens arriving within this window into one frame (fewer messages at high token rates).")] = 0.0,
+    migration_limit: Annotated[int, typer.Option(min=0, help=(
+        "Decode: how many times one request may move to another replica when its worker dies or stops "
+        "mid-stream (0: never; the client gets a retryable worker_lost error, and no reply journal is kept)."))] = 3,
+    migration_max_seq_len: Annotated[int | None, typer.Option(min=1, help=(
+        "Decode: do not migrate a request whose prompt plus streamed tokens exceed this (default: no bound)."))] = None,
     nats: NatsOption = None,
     namespace: NamespaceOption = None,
     log_level: LogLevelOption = "INFO",
@@ -255,13 +260,15 @@ def worker(
     from workers.engines.factory import EngineKind
     from workers.engines.torch_engine.loader import DEFAULT_MODEL
     from workers.runtime import WorkerOptions, WorkerRuntime
+    from workers.decode import MigrationPolicy
     from workers.stages import build_stage
 
     configure_logging(log_level)
     nats_settings, bus_settings = load_settings(nats, namespace)
     stage_kind, serving_mode, engine_kind = Stage(stage), ServingMode(mode), EngineKind(engine)
     models = model or [DEFAULT_MODEL if engine_kind != EngineKind.MOCK else "mock"]
-    built = build_stage(stage_kind, engine_kind, models, serving_mode, load_format)
+    built = build_stage(stage_kind, engine_kind, models, serving_mode, load_format,
+                        MigrationPolicy(migration_limit, migration_max_seq_len))
     options = WorkerOptions(
         stage=stage_kind, model=models[0], mode=serving_mode, engine_name=engine_kind.value, http_host=http_host,
         http_port=http_port, max_concurrency=max_concurrency or _DEFAULT_CONCURRENCY.get(stage_kind, 32),

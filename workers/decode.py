@@ -11,10 +11,19 @@ asked for text (whole characters only, matched stop strings hidden), an OpenAI
 `chat.completion.chunk` when asked for that shape — then one `FinalFrame` with the normalized
 finish reason and usage (prompt, completion, total, cached tokens).
 
-Fails how: a task redelivered because its replica died mid-way → retryable `worker_lost` error
-frame (the answer may have been partly streamed; the client retries); an option the engine cannot honour → `unsupported` error frame; an engine error →
-`internal` error frame; a KV handoff that cannot complete, or image rows that cannot be read → retryable
-`worker_lost` error frame; images for a worker without a vision path → `unsupported`; bad media (EPD) → the
+Migration: every reply stream is journaled (bus/journal.py). A task redelivered because its replica
+died or stopped mid-stream is taken over where it stopped: the tokens the client has are appended to
+the prompt, `max_tokens` shrinks by as many, the stream goes on with its numbering and inbox, and the
+final frame counts the `migrations`. Not migrated (retryable `worker_lost` error frame instead): guided
+decoding (its grammar state cannot move), n > 1, image rows read from an encode worker (read once),
+a request past the migration limit or whose sequence is longer than the migration max. With migration
+off (`--migration-limit 0`, no journal) every redelivered task gets that error, as what was streamed is
+unknown; set the limit alike on every replica of a model.
+
+Fails how: an option the engine cannot honour → `unsupported` error frame; an engine error →
+`internal` error frame; a KV handoff that cannot complete (its prefill worker died) → the prompt runs on
+this engine when it can (torch, mock), else a retryable `worker_lost` error frame, as for image rows that
+cannot be read; images for a worker without a vision path → `unsupported`; bad media (EPD) → the
 encode stage's errors.
 A `Cancel` (or the client vanishing, seen by the reply stream's liveness probe) aborts the engine
 request at once, freeing its blocks, and the client gets `finish_reason: cancelled`.
@@ -24,17 +33,20 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
 
 from bus.consumer import Delivery
 from bus.errors import RejectRequest
-from bus.metrics import END_TO_END, INTER_TOKEN_LATENCY, QUEUE_SECONDS, REQUESTS, TIME_TO_FIRST_TOKEN
+from bus.journal import Progress
+from bus.metrics import END_TO_END, INTER_TOKEN_LATENCY, MIGRATIONS, QUEUE_SECONDS, REQUESTS, TIME_TO_FIRST_TOKEN
 from bus.replies import ReplySender
 from schemas.client import StreamFormat
 from schemas.registry import Stage
 from schemas.replies import ChatChunkChoice, ChatCompletionChunk, ChatDelta, ErrorCode, FinishReason, Usage
+from schemas.sampling import SamplingOptions, StopConditions
 from schemas.tasks import DecodeTask, PrefillTask
 from workers.engines.protocol import Engine, GenerateOutput, GenerateRequest, TransferFailed, UnsupportedOption
 from workers.media import ImageInputs, MediaError
@@ -46,13 +58,27 @@ log = structlog.get_logger(__name__)
 CANARY_PROMPT = [1, 2, 3, 4]
 
 
+@dataclass(frozen=True, slots=True)
+class MigrationPolicy:
+    # Takeovers of one request at most; 0 turns migration (and the reply journal) off.
+    limit: int = 3
+    # Prompt plus streamed tokens above this are not migrated (re-prefilling them costs too much).
+    max_seq_len: int | None = None
+
+
 class DecodeStage:
     task_type = DecodeTask
 
-    def __init__(self, engine: Engine, model: str, images: ImageInputs | None = None) -> None:
+    def __init__(self, engine: Engine, model: str, images: ImageInputs | None = None,
+                 migration: MigrationPolicy = MigrationPolicy()) -> None:
         self._engine = engine
         self.model = model
         self._images = images
+        self._migration = migration
+
+    @property
+    def journals_replies(self) -> bool:
+        return self._migration.limit > 0
 
     @property
     def accepts_media(self) -> bool:
@@ -78,37 +104,81 @@ class DecodeStage:
 
     async def handle(self, task: DecodeTask, delivery: Delivery) -> None:
         QUEUE_SECONDS.labels(stage=Stage.DECODE.value).observe(delivery.queued_s)
-        if delivery.num_delivered > 1:
-            # The replica that had this task died (or was killed) before acking it. It may have
-            # streamed part of the answer already; generating again would repeat or contradict text
-            # the client has shown, so the client decides: it is told to retry.
+        if delivery.num_delivered > 1 and not delivery.reply.journaled:
+            # Migration is off: what the dead replica streamed is unknown, and generating again would
+            # repeat or contradict it. The client decides.
             await delivery.reply.fail(ErrorCode.WORKER_LOST, "the decode worker serving this request stopped; "
                                       "send the request again", retryable=True)
+            REQUESTS.labels(stage=Stage.DECODE.value, model=self.model, outcome="worker_lost").inc()
+            return
+        resumed = delivery.progress if delivery.progress is not None and delivery.progress.streamed else None
+        if resumed is not None and not await self._take_over(task, resumed, delivery):
             REQUESTS.labels(stage=Stage.DECODE.value, model=self.model, outcome="worker_lost").inc()
             return
         images = await resolve_images(self._images, task, delivery)
         if images is None:
             return
         token_ids, image_rows = images
+        generated = resumed.token_ids if resumed is not None else []
         request = GenerateRequest(
             request_id=task.request_id,
-            token_ids=token_ids,
+            token_ids=token_ids + generated,
             image_rows=image_rows,
             sampling=task.request.sampling,
-            stop=task.request.stop,
+            stop=_remaining(task.request.stop, len(generated)),
             output=task.request.output,
             guided=task.request.guided,
-            bootstrap=task.bootstrap,
+            # A migrated request's KV is gone with its prefill: this engine runs the longer prompt itself.
+            bootstrap=task.bootstrap if resumed is None else None,
             priority=task.request.priority,
         )
         async with delivery.reply as reply:
-            outcome = await self._stream(task, request, reply, delivery)
+            outcome = await self._stream(task, request, reply, delivery, len(generated))
         REQUESTS.labels(stage=Stage.DECODE.value, model=self.model, outcome=outcome).inc()
         END_TO_END.labels(model=self.model).observe(max(0.0, time.time() - task.header.created_at_s))
 
-    async def _stream(self, task: DecodeTask, request: GenerateRequest, reply: ReplySender, delivery: Delivery) -> str:
+    async def _take_over(self, task: DecodeTask, progress: Progress, delivery: Delivery) -> bool:
+        """Go on with a stream a dead replica started; False when it cannot move (the client was told)."""
+        refusal = self._refusal(task, progress)
+        # Either way the stream continues the predecessor's numbering.
+        await delivery.reply.resume(progress)
+        MIGRATIONS.labels(stage=Stage.DECODE.value, outcome=refusal or "migrated").inc()
+        if refusal is not None:
+            await delivery.reply.fail(ErrorCode.WORKER_LOST, f"the decode worker serving this request stopped and "
+                                      f"the request cannot move ({refusal.replace('_', ' ')}); send it again",
+                                      retryable=True)
+            return False
+        log.info("decode.migrated", streamed_tokens=len(progress.token_ids), migrations=delivery.reply.migrations)
+        return True
+
+    def _runs_prompts_itself(self, task: DecodeTask) -> bool:
+        """Whether a disaggregated prompt can run on this engine instead (no KV handoff; images were
+        encoded for the prefill engine and are not here)."""
+        return self._engine.info.prefills_in_decode_role and not task.request.media and task.media_embeddings is None
+
+    def _refusal(self, task: DecodeTask, progress: Progress) -> str | None:
+        request = task.request
+        # What cannot be rebuilt here: a grammar's state, n parallel streams, image rows an encode worker
+        # handed over once, or (disaggregated) a prompt this decode engine cannot run itself.
+        local_prefill = task.bootstrap is None or self._runs_prompts_itself(task)
+        if request.guided is not None or request.sampling.n > 1 or task.media_embeddings is not None or not local_prefill:
+            return "not_migratable"
+        if progress.migrations >= self._migration.limit:
+            return "over_limit"
+        seq_len = len(request.token_ids) + len(progress.token_ids)
+        if self._migration.max_seq_len is not None and seq_len > self._migration.max_seq_len:
+            return "over_max_seq_len"
+        return None
+
+    async def _stream(self, task: DecodeTask, request: GenerateRequest, reply: ReplySender, delivery: Delivery,
+                      num_streamed: int) -> str:
         stopper = asyncio.create_task(_abort_when_stopped(self._engine, request.request_id, delivery, reply))
-        shape = _Shaper(task, self.model)
+        shape = _Shaper(task, self.model, role_sent=num_streamed > 0)
+        if request.stop.max_tokens == 0:
+            # The predecessor streamed every token and died before its final frame.
+            stopper.cancel()
+            return await self._finish(GenerateOutput([], finish_reason=FinishReason.LENGTH), shape, reply, delivery,
+                                      len(task.request.token_ids), num_streamed)
         last_token_s: float | None = None
         try:
             async for output in self._engine.generate(request):
@@ -120,7 +190,7 @@ class DecodeStage:
                         INTER_TOKEN_LATENCY.labels(model=self.model).observe(now - last_token_s)
                     last_token_s = now
                 if output.finished:
-                    return await self._finish(output, shape, reply, delivery)
+                    return await self._finish(output, shape, reply, delivery, len(task.request.token_ids), num_streamed)
                 await reply.send_tokens(output.token_ids, **shape.chunk(output))
         except UnsupportedOption as error:
             raise RejectRequest(ErrorCode.UNSUPPORTED, str(error)) from error
@@ -128,6 +198,12 @@ class DecodeStage:
             if delivery.cancelled.is_set():
                 await reply.finish(FinishReason.CANCELLED, Usage.of(len(request.token_ids), 0))
                 return FinishReason.CANCELLED.value
+            if last_token_s is None and request.bootstrap is not None and self._runs_prompts_itself(task):
+                # The prefill worker died (or lost the KV) before handing it over: run the prompt here.
+                log.warning("decode.prefill_lost", error=str(error))
+                MIGRATIONS.labels(stage=Stage.PREFILL.value, outcome="prefilled_by_decode").inc()
+                stopper.cancel()
+                return await self._stream(task, replace(request, bootstrap=None), reply, delivery, num_streamed)
             await reply.fail(ErrorCode.WORKER_LOST, f"KV handoff failed: {error}", retryable=True)
             return "error"
         finally:
@@ -135,12 +211,17 @@ class DecodeStage:
         await reply.fail(ErrorCode.INTERNAL, "the engine ended the stream without a final output", retryable=True)
         return "error"
 
-    async def _finish(self, output: GenerateOutput, shape: _Shaper, reply: ReplySender, delivery: Delivery) -> str:
+    async def _finish(self, output: GenerateOutput, shape: _Shaper, reply: ReplySender, delivery: Delivery,
+                      prompt_tokens: int, num_streamed: int) -> str:
         assert output.finish_reason is not None
         if output.finish_reason == FinishReason.ERROR:
             await reply.fail(ErrorCode.INTERNAL, output.error or "engine error")
             return "error"
-        usage = Usage.of(output.prompt_tokens, output.completion_tokens, output.cached_tokens)
+        # After a migration the engine saw the streamed tokens as prompt; the client's usage counts them
+        # as completion, as they were.
+        usage = (Usage.of(output.prompt_tokens, output.completion_tokens, output.cached_tokens) if not num_streamed
+                 else Usage.of(prompt_tokens, num_streamed + output.completion_tokens,
+                               min(output.cached_tokens, prompt_tokens)))
         if output.token_ids or output.text or shape.wants_openai:
             await reply.send_tokens(output.token_ids, **shape.chunk(output, final_reason=output.finish_reason, usage=usage))
         await reply.finish(output.finish_reason, usage, output.matched_stop)
@@ -150,12 +231,12 @@ class DecodeStage:
 class _Shaper:
     """Turns engine outputs into the chunk fields the request asked for."""
 
-    def __init__(self, task: DecodeTask, model: str) -> None:
+    def __init__(self, task: DecodeTask, model: str, role_sent: bool = False) -> None:
         self._format = task.header.stream_format
         self._request_id = task.request_id
         self._model = model
         self._created = int(task.header.created_at_s)
-        self._sent_role = False
+        self._sent_role = role_sent
 
     @property
     def wants_openai(self) -> bool:
@@ -176,6 +257,14 @@ class _Shaper:
                 usage=usage,
             )
         return fields
+
+
+def _remaining(stop: StopConditions, num_streamed: int) -> StopConditions:
+    """The stop conditions left after `num_streamed` tokens were streamed (by a dead replica)."""
+    if not num_streamed:
+        return stop
+    max_tokens = None if stop.max_tokens is None else max(0, stop.max_tokens - num_streamed)
+    return stop.model_copy(update={"max_tokens": max_tokens, "min_tokens": max(0, stop.min_tokens - num_streamed)})
 
 
 async def resolve_images(images: ImageInputs | None, task: DecodeTask | PrefillTask,
@@ -209,8 +298,6 @@ async def _abort_when_stopped(engine: Engine, request_id: str, delivery: Deliver
 
 async def run_canary(engine: Engine, request_id: str) -> None:
     """A 1-token greedy request through the engine: the health check behind /ready."""
-    from schemas.sampling import SamplingOptions, StopConditions
-
     request = GenerateRequest(request_id, CANARY_PROMPT, SamplingOptions(temperature=0.0), StopConditions(max_tokens=1),
                               health_check=True)
     async for output in engine.generate(request):

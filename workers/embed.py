@@ -38,6 +38,7 @@ MAX_INPUTS = 2048
 class EmbedStage:
     task_type = EmbedTask
     accepts_media = False
+    journals_replies = False
     # No generation engine: no KV events, load gauges or engine-control routes.
     engine = None
 

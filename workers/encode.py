@@ -43,6 +43,7 @@ log = structlog.get_logger(__name__)
 class EncodeStage:
     task_type = EncodeTask
     accepts_media = True
+    journals_replies = False
     # The vision tower is not a generation engine: no KV events, load gauges or engine-control routes.
     engine = None
 

@@ -9,6 +9,10 @@ engine has read the KV), so a worker that dies mid-prefill leaves the task to be
 Emits nothing to the client: the decode stage streams. The prompt is registered with the engine
 before the decode task is published; a decode engine that asks first simply waits for the room.
 
+A prefill worker that dies: before publishing, its task is redelivered and run again; after, the
+decode worker's KV read fails and it runs the prompt itself where its engine can (torch, mock), and the
+redelivered prefill, whose decode task JetStream drops as a duplicate, aborts.
+
 Fails how: an engine failure before the decode task is published → retried (nak with backoff);
 after it, the decode side reports the failed handoff, so the prefill acks rather than run the
 prompt twice. A `Cancel` aborts the prefill and frees its blocks; the decode stage, which hears the
@@ -36,6 +40,8 @@ log = structlog.get_logger(__name__)
 
 class PrefillStage:
     task_type = PrefillTask
+    # The decode stage streams (and journals); a prefill sends the client nothing.
+    journals_replies = False
 
     def __init__(self, engine: Engine, model: str, images: ImageInputs | None = None) -> None:
         self._engine = engine
@@ -91,10 +97,19 @@ class PrefillStage:
         prompt = task.request.model_copy(update={"token_ids": token_ids, "media": []})
         decode_task = DecodeTask(header=task.header, request=prompt, bootstrap=bootstrap)
         try:
-            await self._context.publisher.publish(Stage.DECODE, decode_task, task.request_id, delivery.trace, model=self.model)
+            published = await self._context.publisher.publish(Stage.DECODE, decode_task, task.request_id, delivery.trace,
+                                                              model=self.model)
         except BaseException:
             prefill.cancel()
             raise
+        if not published:
+            # Redelivered after a prefill worker died: its decode task went out already, and that decode worker
+            # runs the prompt itself when the handoff fails. Nobody will read this room.
+            await self._engine.abort(task.request_id)
+            await asyncio.gather(prefill, return_exceptions=True)
+            REQUESTS.labels(stage=Stage.PREFILL.value, model=self.model, outcome="duplicate").inc()
+            log.info("prefill.duplicate", room=room)
+            return
         final = await _until_done_or_cancelled(prefill, self._engine, task.request_id, delivery)
         outcome = final.finish_reason.value if final is not None and final.finish_reason else "cancelled"
         if final is not None and final.error:

@@ -69,6 +69,7 @@ class ServedModel:
 class ProcessorStage:
     task_type = CLIENT_REQUEST
     accepts_media = False
+    journals_replies = False
 
     def __init__(self, models: dict[str, ServedModel]) -> None:
         self._models = models

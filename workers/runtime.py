@@ -103,6 +103,10 @@ class PipelineStage(Protocol):
     def consumes_model(self) -> str | None:
         """The model whose work subject this stage pulls from (None: the shared processor subject)."""
 
+    @property
+    def journals_replies(self) -> bool:
+        """Whether its reply streams are journaled, so another replica can take a request over."""
+
     async def start(self, context: StageContext) -> None: ...
 
     async def handle(self, task: Any, delivery: Delivery) -> None: ...
@@ -147,6 +151,11 @@ class WorkerRuntime:
     def ready(self) -> bool:
         return self._not_ready_reason is None
 
+    @property
+    def in_flight(self) -> int:
+        """Tasks this worker is handling now."""
+        return self._consumer.in_flight if self._consumer is not None else 0
+
     def request_stop(self) -> None:
         self._stopping.set()
 
@@ -178,7 +187,8 @@ class WorkerRuntime:
                 nc, js, self._names, self._bus, self.options.stage, self._stage.task_type, self._stage.handle,
                 cancels, worker_id=self.options.worker_id, model=self._stage.consumes_model,
                 options=ConsumerOptions(max_concurrency=self.options.max_concurrency,
-                                        coalesce_window_s=self.options.coalesce_window_s),
+                                        coalesce_window_s=self.options.coalesce_window_s,
+                                        journal_replies=self._stage.journals_replies),
             )
             await self._stage.canary()
             await self._consumer.bind()

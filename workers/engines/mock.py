@@ -4,7 +4,7 @@ Like Dynamo's mocker it does no math: time to first token is `ttft_base_s + ttft
 uncached prompt tokens`, then one token every `inter_token_s`, with at most `max_running_requests`
 generating at once (the rest queue). It keeps a real block pool with a prefix cache keyed like the
 torch engine's, so it emits the same `BlockStored` / `BlockRemoved` events and reports cached
-tokens. Output tokens are a deterministic function of the prompt, so runs are reproducible.
+tokens. Output tokens are a deterministic function of the sequence so far, so runs are reproducible.
 Never the default engine.
 """
 
@@ -64,8 +64,9 @@ class MockEngine:
         self._used_blocks = 0
         self._kv_events = KvEventFanout()
         self._released: set[MemoryTag] = set()
+        # No KV moves between mock engines: every one runs its prompts itself.
         self._info = EngineInfo(name="mock", model=config.model, context_length=config.context_length,
-                                eos_token_ids=(EOS_TOKEN_ID,))
+                                eos_token_ids=(EOS_TOKEN_ID,), prefills_in_decode_role=True)
 
     @property
     def info(self) -> EngineInfo:
@@ -109,9 +110,9 @@ class MockEngine:
             self._publish([BlockStored(block_hashes=keys[cached_blocks:], parent_block_hash=keys[cached_blocks - 1] if cached_blocks else None,
                                        token_ids=request.token_ids[cached_tokens : len(keys) * self.config.block_size],
                                        block_size=self.config.block_size)] if len(keys) > cached_blocks else [])
-            seed = sum(request.token_ids) % self.config.vocab_size
+            token = request.token_ids[-1]
             while True:
-                token = 3 + (seed + produced * 7919) % (self.config.vocab_size - 3)
+                token = self._next_token(token, prompt_tokens + produced)
                 produced += 1
                 if produced >= max_tokens:
                     yield self._final(request, FinishReason.LENGTH, [token], produced, cached_tokens)
@@ -122,6 +123,11 @@ class MockEngine:
                     return
         finally:
             self._release(keys)
+
+    def _next_token(self, previous: int, position: int) -> int:
+        """Each token follows from the one before and its position, like a greedy model: a request that
+        goes on from its prompt plus its first k tokens (a migration) yields what it would have."""
+        return 3 + (previous * 7919 + position * 104729) % (self.config.vocab_size - 3)
 
     def _final(self, request: GenerateRequest, reason: FinishReason, tokens: list[int], produced: int,
                cached_tokens: int) -> GenerateOutput:

@@ -112,6 +112,9 @@ class EngineInfo:
     context_length: int
     role: DisaggregationRole = DisaggregationRole.NONE
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # A decode-role engine that can also run a prompt itself (no KV handoff): how a disaggregated
+    # request migrates to it mid-stream.
+    prefills_in_decode_role: bool = False
 
 
 @runtime_checkable

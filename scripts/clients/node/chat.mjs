@@ -15,7 +15,7 @@ const servers = (process.env.CONVEYOR_NATS_URLS || "nats://127.0.0.1:4222").spli
 const namespace = process.env.CONVEYOR_NAMESPACE || "conveyor";
 const model = process.env.CONVEYOR_MODEL || "SmolLM2-135M-Instruct";
 const maxTokens = Number(process.env.CONVEYOR_MAX_TOKENS || 64);
-const heartbeatTimeoutMs = 5000;
+const heartbeatTimeoutMs = 10000;
 
 const nc = await connect({ servers });
 const requestId = `node-${randomUUID()}`;
@@ -56,6 +56,8 @@ for (;;) {
     exitCode = 1;
     break;
   }
+  // A replica that took the request over (migration) sends its predecessor's last frame again.
+  if (frame.seq < expected) continue;
   if (frame.seq !== expected) {
     console.error(`\n[node] lost a frame: expected #${expected}, got #${frame.seq}`);
     exitCode = 2;
