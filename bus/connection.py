@@ -100,6 +100,7 @@ async def _connect(settings: NatsSettings, name: str, on_disconnect: Callback, o
         connect_timeout=settings.connect_timeout_s,
         reconnect_time_wait=settings.reconnect_wait_s,
         max_reconnect_attempts=settings.max_reconnect_attempts,
+        pending_size=settings.reconnect_buffer_bytes,
         allow_reconnect=True,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,

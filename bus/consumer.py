@@ -155,6 +155,9 @@ class WorkConsumer(Generic[TaskT]):
         self._in_progress_interval_s = options.in_progress_interval_s or settings.ack_wait_s / 3
         self._subscription: JetStreamContext.PullSubscription | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        # Reply streams of the handlers running now, to resync after a NATS reconnect.
+        self._replies: set[ReplySender] = set()
+        self._resyncs: set[asyncio.Task[None]] = set()
         self._slot_freed = asyncio.Event()
         self._stopping = asyncio.Event()
         self._loop_done = asyncio.Event()
@@ -180,6 +183,21 @@ class WorkConsumer(Generic[TaskT]):
 
     def resume(self) -> None:
         self._unpaused.set()
+
+    def resync_replies(self) -> None:
+        """After a NATS reconnect: every running stream asks its client what it has and sends again
+        what the outage lost (`ReplySender.resync`)."""
+        for reply in list(self._replies):
+            resync = asyncio.create_task(reply.resync(timeout_s=self._settings.heartbeat_timeout_s))
+            self._resyncs.add(resync)
+            resync.add_done_callback(self._resyncs.discard)
+
+    def _forget_reply(self, reply: ReplySender) -> None:
+        if not reply.sent_while_away:
+            self._replies.discard(reply)
+            return
+        # It ended while NATS was away: its last frames may be lost, so keep it for the next resync.
+        asyncio.get_running_loop().call_later(2 * self._settings.heartbeat_timeout_s, self._replies.discard, reply)
 
     async def bind(self) -> None:
         """Declare the shared durable consumer (idempotent) and bind a pull subscription to it."""
@@ -320,6 +338,7 @@ class WorkConsumer(Generic[TaskT]):
             )
             keep_alive = asyncio.create_task(self._keep_alive(msg))
             started_s = time.perf_counter()
+            self._replies.add(reply)
             try:
                 await self._handler(task, delivery)
             except RejectRequest as rejection:
@@ -336,6 +355,7 @@ class WorkConsumer(Generic[TaskT]):
             else:
                 await self._ack(msg, "acked")
             finally:
+                self._forget_reply(reply)
                 keep_alive.cancel()
                 await reply.close_background()
                 HANDLER_SECONDS.labels(stage=self.stage.value).observe(time.perf_counter() - started_s)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Annotated
 
 from nats.aio.client import Client
@@ -122,7 +122,7 @@ async def read_progress(js: JetStreamContext, names: Names, request_id: str) -> 
         last_stored = raw.time
         _apply(progress, raw.data or b"")
     if last_stored is not None:
-        progress.age_s = max(0.0, time.time() - last_stored.replace(tzinfo=last_stored.tzinfo or timezone.utc).timestamp())
+        progress.age_s = max(0.0, time.time() - last_stored.replace(tzinfo=last_stored.tzinfo or UTC).timestamp())
     return progress
 
 

@@ -5,8 +5,10 @@ window into one chunk (fewer messages at high token rates), sends a `Heartbeat` 
 been quiet for the heartbeat interval, and probes `{inbox}.alive` so a worker can stop generating
 for a client that is gone.
 
-Receiver side: `ReplyStream` subscribes before the request is published, answers liveness probes,
-yields chunks in order and ends at the terminal frame. It raises `ReplyGap` when a frame is missing,
+Receiver side: `ReplyStream` subscribes before the request is published, answers liveness probes
+with the next `seq` it expects, yields chunks in order and ends at the terminal frame. It raises
+`ReplyGap` when a frame is still missing after the heartbeat timeout (frames ahead of it are kept:
+after a NATS reconnect the sender sends the lost ones again, `resync`),
 `ReplyStreamBroken` when nothing arrives within the window, and `RemoteError` on an error frame
 (accepted whatever its number: it may come from an earlier stage), so a client never waits forever.
 A frame numbered below the next expected one is a duplicate (a replica that took the request over
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from types import TracebackType
 from dataclasses import dataclass
@@ -37,9 +40,10 @@ from bus.errors import RemoteError, ReplyGap, ReplyStreamBroken
 from bus.journal import Progress, ReplyJournal
 from bus.lifecycle import sleep_unless
 from bus.metrics import CLIENTS_GONE, REPLY_FRAMES
-from schemas.codec import decode_as, encode
+from schemas.codec import decode, decode_as, encode
 from schemas.replies import (
     REPLY_FRAME,
+    AliveAnswer,
     ChatCompletionChunk,
     Embedding,
     EmbeddingResult,
@@ -59,6 +63,9 @@ log = structlog.get_logger(__name__)
 # Inbox subscriptions must absorb bursts of tens of thousands of frames without dropping any.
 _INBOX_PENDING_MSGS = 1_000_000
 _INBOX_PENDING_BYTES = 512 * 1024 * 1024
+# Frames a sender keeps until the client's answers to liveness probes confirm them (about one heartbeat
+# interval's worth), to send again after a NATS reconnect. Beyond this, the oldest are forgotten.
+_UNCONFIRMED_FRAMES = 4096
 _FRAMES_SENT = {kind: REPLY_FRAMES.labels(kind=kind) for kind in ("chunk", "heartbeat", "final", "error", "embedding")}
 
 
@@ -101,6 +108,12 @@ class ReplySender:
         self._heartbeat_task: asyncio.Task[None] | None = None
         self.client_gone = asyncio.Event()
         self._background_stopped = asyncio.Event()
+        # (seq, payload) of frames the client has not confirmed yet (bus/replies.py `resync`).
+        self._unconfirmed: deque[tuple[int, bytes]] = deque(maxlen=_UNCONFIRMED_FRAMES)
+        # Until then, "no responders" on the client's inbox is not taken as gone (it is subscribing again).
+        self._probe_grace_until = 0.0
+        # A frame went out while the connection was down: it may be lost, even the terminal one.
+        self.sent_while_away = False
 
     @property
     def closed(self) -> bool:
@@ -188,16 +201,49 @@ class ReplySender:
     async def client_alive(self, timeout_s: float) -> bool:
         """Ask the client's receiver whether it is still reading.
 
-        No responders means nobody subscribes to the inbox any more: the client is gone. A slow
-        answer is not taken as gone; only the absence of any subscriber is.
+        No responders means nobody subscribes to the inbox any more: the client is gone (unless a NATS
+        reconnect just happened: it may be subscribing again). A slow answer is not taken as gone.
         """
+        answer = await self._probe(timeout_s)
+        return answer is not _GONE or time.monotonic() < self._probe_grace_until
+
+    async def resync(self, timeout_s: float) -> None:
+        """After a NATS reconnect: frames sent around the outage may be lost (the server died holding
+        them, or the client was not subscribed again yet). Ask the client which frame it expects next and
+        send the rest again; new frames wait meanwhile, so they arrive after the old ones."""
+        if not self._unconfirmed:
+            return
+        self._probe_grace_until = time.monotonic() + timeout_s
+        async with self._lock:
+            while time.monotonic() < self._probe_grace_until:
+                answer = await self._probe(timeout_s=self._heartbeat_interval_s)
+                if isinstance(answer, AliveAnswer):
+                    break
+                if answer is _ALIVE:
+                    return  # a receiver that does not tell its position: nothing to go on
+                await asyncio.sleep(0.1)  # not subscribed again yet, or slow: ask again
+            else:
+                return  # the heartbeat loop decides whether the client is gone
+            frames = [payload for seq, payload in self._unconfirmed if seq >= answer.next_seq]
+            for payload in frames:
+                await self._nc.publish(self.reply_to, payload)
+        log.info("reply.resynced", request_id=self.request_id, from_seq=answer.next_seq, frames=len(frames))
+
+    async def _probe(self, timeout_s: float) -> AliveAnswer | object | None:
+        """The client's answer: its position (which confirms the frames before it), `_ALIVE` (an answer
+        without one), `_GONE` (nobody subscribes) or None (no answer in time)."""
         try:
-            await self._nc.request(alive_subject(self.reply_to), b"", timeout=timeout_s)
+            msg = await self._nc.request(alive_subject(self.reply_to), b"", timeout=timeout_s)
         except NoRespondersError:
-            return False
-        except (NatsTimeoutError, asyncio.TimeoutError):
-            return True
-        return True
+            return _GONE
+        except (NatsTimeoutError, TimeoutError):
+            return None
+        if not msg.data:
+            return _ALIVE
+        answer = decode(msg.data, AliveAnswer)
+        while self._unconfirmed and self._unconfirmed[0][0] < answer.next_seq:
+            self._unconfirmed.popleft()
+        return answer
 
     async def _heartbeat_loop(self) -> None:
         while not await sleep_unless(self._background_stopped, self._heartbeat_interval_s):
@@ -253,6 +299,9 @@ class ReplySender:
                 await self._record(frame_type, payload, fields)
             await self._nc.publish(self.reply_to, payload)
             self._last_payload = payload
+            self._unconfirmed.append((self._seq - 1, payload))
+            if not self._nc.is_connected:
+                self.sent_while_away = True
             self._last_sent_s = time.monotonic()
         _FRAMES_SENT[frame_type.model_fields["kind"].default].inc()
 
@@ -271,6 +320,9 @@ class ReplySender:
             if task is not None and task is not current and not task.done():
                 task.cancel()
         self._heartbeat_task = None
+
+
+_GONE, _ALIVE = object(), object()
 
 
 def _chunk_payload(request_id: str, seq: int, fields: dict[str, Any]) -> bytes:
@@ -347,6 +399,9 @@ class ReplyStream:
         self._frames: asyncio.Queue[Msg] = asyncio.Queue()
         self._subscriptions: list[Subscription] = []
         self._next_seq = 0
+        # Frames that arrived ahead of a missing one, by seq, and when waiting for it ends.
+        self._ahead: dict[int, ReplyFrame] = {}
+        self._gap_deadline = 0.0
         self.terminal: FinalFrame | EmbeddingResult | None = None
 
     async def __aenter__(self) -> ReplyStream:
@@ -375,7 +430,8 @@ class ReplyStream:
 
     async def _answer_alive(self, msg: Msg) -> None:
         if msg.reply:
-            await self._nc.publish(msg.reply, b"")
+            # Where this reader is, so a sender can send again what a NATS outage lost.
+            await self._nc.publish(msg.reply, encode(AliveAnswer(next_seq=self._next_seq)))
 
     def __aiter__(self) -> AsyncIterator[TokenChunk]:
         return self._chunks()
@@ -397,26 +453,44 @@ class ReplyStream:
         return chunks, self.terminal
 
     async def _next_frame(self) -> ReplyFrame:
-        timeout_s = self._first_frame_timeout_s if self._next_seq == 0 else self._heartbeat_timeout_s
+        while True:
+            if self._next_seq in self._ahead:
+                self._next_seq += 1
+                return self._ahead.pop(self._next_seq - 1)
+            if self._ahead and time.monotonic() > self._gap_deadline:
+                raise ReplyGap(f"reply stream of {self.request_id}: frame #{self._next_seq} missing, "
+                               f"#{min(self._ahead)} arrived")
+            frame = decode_as((await self._receive()).data, REPLY_FRAME)
+            if isinstance(frame, ErrorFrame):
+                # An error ends the stream whoever sends it (an earlier stage, too).
+                return frame
+            if frame.seq < self._next_seq:
+                continue  # sent again (a migration, a resync after a reconnect): already had it
+            if frame.seq > self._next_seq:
+                # Around a NATS reconnect frames can be lost and then sent again (`ReplySender.resync`),
+                # behind newer ones: keep those until the gap fills, for at most the heartbeat timeout.
+                if not self._ahead:
+                    self._gap_deadline = time.monotonic() + self._heartbeat_timeout_s
+                self._ahead[frame.seq] = frame
+                continue
+            self._next_seq += 1
+            return frame
+
+    async def _receive(self) -> Msg:
+        # Under load the next frame is usually queued already: skip the timer then.
+        if not self._frames.empty():
+            return self._frames.get_nowait()
+        if self._ahead:
+            timeout_s = max(0.0, self._gap_deadline - time.monotonic())
+        else:
+            timeout_s = self._first_frame_timeout_s if self._next_seq == 0 else self._heartbeat_timeout_s
         try:
-            # Under load the next frame is usually queued already: skip the timer then.
-            msg = self._frames.get_nowait() if not self._frames.empty() else (
-                await asyncio.wait_for(self._frames.get(), timeout=timeout_s)
-            )
+            return await asyncio.wait_for(self._frames.get(), timeout=timeout_s)
         except TimeoutError:
+            if self._ahead:
+                raise ReplyGap(f"reply stream of {self.request_id}: frame #{self._next_seq} missing, "
+                               f"#{min(self._ahead)} arrived") from None
             state = "no frame yet" if self._next_seq == 0 else f"last frame was #{self._next_seq - 1}"
             raise ReplyStreamBroken(
                 f"reply stream of {self.request_id} silent for {timeout_s:.1f} s ({state})"
             ) from None
-        frame = decode_as(msg.data, REPLY_FRAME)
-        if isinstance(frame, ErrorFrame):
-            # An error ends the stream whoever sends it: it may come from a replica that took
-            # over the request (its own numbering starts at 0) or from an earlier stage.
-            return frame
-        if frame.seq < self._next_seq:
-            # A replica that took the request over sends its predecessor's last frame again.
-            return await self._next_frame()
-        if frame.seq != self._next_seq:
-            raise ReplyGap(f"reply stream of {self.request_id}: expected frame #{self._next_seq}, got #{frame.seq}")
-        self._next_seq += 1
-        return frame

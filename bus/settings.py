@@ -45,6 +45,8 @@ class NatsSettings(BaseSettings):
     reconnect_wait_s: float = Field(default=0.5, gt=0)
     # -1 reconnects forever: a worker rides out a NATS restart.
     max_reconnect_attempts: int = -1
+    # What a connection buffers while reconnecting (a decode worker's frames during a server restart).
+    reconnect_buffer_bytes: int = Field(default=32 << 20, ge=1 << 20)
 
     @model_validator(mode="before")
     @classmethod

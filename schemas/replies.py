@@ -144,6 +144,14 @@ class EmbeddingResult(WireModel):
     usage: Usage
 
 
+class AliveAnswer(WireModel):
+    """A receiver's answer to a liveness probe on `{inbox}.alive` (an empty answer also means alive).
+
+    `next_seq` lets a sender fill a gap: after a NATS reconnect it sends again every frame from there."""
+
+    next_seq: int = Field(ge=0)
+
+
 ReplyFrame = Annotated[
     TokenChunk | Heartbeat | FinalFrame | ErrorFrame | EmbeddingResult, Field(discriminator="kind")
 ]

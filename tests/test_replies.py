@@ -65,12 +65,42 @@ async def test_error_frame_raises_a_typed_remote_error(bus: Bus) -> None:
     assert raised.value.code == ErrorCode.OVERLOADED and raised.value.frame.retryable
 
 
-async def test_missing_frame_is_reported_as_a_gap(bus: Bus) -> None:
+async def test_missing_frame_is_reported_as_a_gap_after_the_heartbeat_timeout(bus: Bus) -> None:
     stream = await open_stream(bus, "gappy")
     await bus.nc.publish(stream.inbox, encode(TokenChunk(request_id="gappy", seq=0, token_ids=[1])))
     await bus.nc.publish(stream.inbox, encode(TokenChunk(request_id="gappy", seq=2, token_ids=[3])))
-    with pytest.raises(ReplyGap, match="expected frame #1, got #2"):
+    started = time.monotonic()
+    with pytest.raises(ReplyGap, match="frame #1 missing, #2 arrived"):
         await stream.collect()
+    assert 0.9 < time.monotonic() - started < 2.0  # heartbeat_timeout_s is 1.0 in the tests' settings
+
+
+async def test_frames_out_of_order_within_the_window_are_read_in_order_and_duplicates_dropped(bus: Bus) -> None:
+    stream = await open_stream(bus, "shuffled")
+    for seq in (0, 2, 1, 1, 0):
+        await bus.nc.publish(stream.inbox, encode(TokenChunk(request_id="shuffled", seq=seq, token_ids=[seq])))
+    await bus.nc.publish(stream.inbox, encode(FinalFrame(request_id="shuffled", seq=3, finish_reason=FinishReason.STOP,
+                                                         usage=Usage.of(1, 3))))
+    chunks, _ = await stream.collect()
+    assert [c.token_ids for c in chunks] == [[0], [1], [2]]
+
+
+async def test_after_a_reconnect_the_sender_sends_again_what_the_client_lacks(bus: Bus) -> None:
+    stream = await open_stream(bus, "outage")
+    sender = ReplySender(bus.nc, stream.inbox, "outage")
+    await sender.send_tokens([0])
+    await sender.send_tokens([1])
+    sender.reply_to = "_INBOX.nowhere"  # frames 2 and 3 are lost, as to a server that died holding them
+    await sender.send_tokens([2])
+    await sender.send_tokens([3])
+    sender.reply_to = stream.inbox
+    await sender.send_tokens([4])  # arrives ahead of the gap
+    reading = asyncio.create_task(stream.collect())
+    await asyncio.sleep(0.2)  # the reader has taken 0 and 1 and waits for 2
+    await sender.resync(timeout_s=2.0)
+    await sender.finish(FinishReason.STOP, Usage.of(1, 5))
+    chunks, _ = await reading
+    assert [c.token_ids for c in chunks] == [[0], [1], [2], [3], [4]]
 
 
 async def test_heartbeats_keep_a_quiet_stream_open(bus: Bus) -> None:

@@ -232,6 +232,8 @@ class WorkerRuntime:
         # Called inside nats-py's reconnect path: recover in a task of our own, one at a time.
         if self._stopping.is_set() or self._js is None:
             return
+        if self._consumer is not None:
+            self._consumer.resync_replies()
         if self._recovery is not None and not self._recovery.done():
             self._recovery.cancel()
         self._recovery = asyncio.create_task(self._recover(), name="recover")

@@ -21,7 +21,7 @@ MOCK_CONTEXT_LENGTH = 8192
 
 
 def build_stage(stage: Stage, kind: EngineKind, models: list[str], mode: ServingMode, load_format: str,
-                migration: MigrationPolicy = MigrationPolicy()) -> PipelineStage:
+                migration: MigrationPolicy | None = None) -> PipelineStage:
     if stage == Stage.PROCESSOR:
         return ProcessorStage({name: served_model(kind, name) for name in models})
     if len(models) != 1:
@@ -39,7 +39,7 @@ def build_stage(stage: Stage, kind: EngineKind, models: list[str], mode: Serving
         role = DisaggregationRole.DECODE if disaggregated else DisaggregationRole.NONE
         # A decode engine that receives the prompt's KV never sees images.
         images = None if disaggregated else _image_inputs(kind, model, Stage.DECODE)
-        return DecodeStage(create_engine(kind, model, role, load_format), model, images, migration)
+        return DecodeStage(create_engine(kind, model, role, load_format), model, images, migration or MigrationPolicy())
     raise ValueError(f"the {stage.value} stage is not built yet (see the README's status table)")
 
 

@@ -1,0 +1,319 @@
+"""Fault suite: how many streaming requests fail or hang when a process dies under load.
+
+The shape of Dynamo's fault-injection suite: rounds of M concurrent streaming requests against worker
+processes on a real nats-server (`conveyor worker ...`, as deployed; 2 processor and 2 decode replicas by
+default), one fault injected into each round while its requests stream, then a table per fault:
+
+- completed: ended with a final frame (`migrated`: of those, how many moved to another replica);
+- cancelled: ended `cancelled` because the round cancelled them (the cancel storm), as asked;
+- failed: an error frame, a broken or gapped stream; hung: no end within the deadline;
+- wrong: completed, but the tokens differ from what the mock model produces for that prompt (its tokens
+  follow from the sequence so far, so a migrated answer must equal an uninterrupted one);
+- TTFT p99, ITL p99 and the longest gap between two frames, in the fault's rounds.
+
+Faults: none, decode-sigkill, decode-sigterm, processor-sigkill, nats-sigkill (the server is killed and
+started again after 1 s on the same store), cancel-storm (half the requests cancelled mid-stream),
+stalled-client (a client process that stops reading, SIGSTOP, with a long request in flight).
+
+    .venv/bin/python scripts/bench_faults.py                          # every fault, 3 rounds of 32 streams
+    .venv/bin/python scripts/bench_faults.py --faults decode-sigkill --rounds 10 --concurrency 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bus.client import PipelineClient, open_client
+from bus.errors import RemoteError, ReplyGap, ReplyStreamBroken
+from bus.server import EmbeddedNatsServer
+from bus.settings import BusSettings, NatsSettings
+from schemas.client import CompletionRequest, StreamFormat
+from schemas.registry import Stage
+from schemas.replies import FinalFrame, FinishReason
+from workers.engines.mock import MockEngine, MockEngineConfig
+
+FAULTS = ["none", "decode-sigkill", "decode-sigterm", "processor-sigkill", "nats-sigkill", "cancel-storm",
+          "stalled-client"]
+
+
+def say(message: str) -> None:
+    print(f"[faults] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Outcome:
+    kind: str  # completed | cancelled | failed | hung
+    migrated: bool = False
+    wrong: bool = False
+    detail: str = ""
+    ttft_s: float | None = None
+    gaps_s: list[float] = field(default_factory=list)
+
+
+class Cluster:
+    """nats-server and the worker processes, each killable and replaceable."""
+
+    def __init__(self, store: Path, namespace: str, args: argparse.Namespace) -> None:
+        self.server = EmbeddedNatsServer(store_dir=store)
+        self.namespace = namespace
+        self.args = args
+        self.workers: dict[str, list[subprocess.Popen[bytes]]] = defaultdict(list)
+        self.stopped: list[subprocess.Popen[bytes]] = []
+
+    def start(self) -> None:
+        self.server.start()
+        for _ in range(self.args.processors):
+            self.spawn("processor")
+        for _ in range(self.args.decoders):
+            self.spawn("decode")
+
+    def spawn(self, stage: str) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "CONVEYOR_NAMESPACE": self.namespace,
+               "CONVEYOR_NATS_URLS": self.server.url, "CONVEYOR_MOCK_INTER_TOKEN_S": str(self.args.inter_token_ms / 1000),
+               "CONVEYOR_MOCK_MAX_RUNNING_REQUESTS": "256", "CONVEYOR_REGISTRY_TTL_S": "3"}
+        command = [sys.executable, "-m", "workers.cli", "worker", stage, "--engine", "mock", "--log-level", "ERROR",
+                   "--shutdown-grace-s", "0.5"]
+        self.workers[stage].append(subprocess.Popen(command, cwd=ROOT, env=env))
+
+    def signal_one(self, stage: str, signum: signal.Signals) -> None:
+        victim = self.workers[stage].pop(0)
+        victim.send_signal(signum)
+        self.stopped.append(victim)
+
+    def replace_stopped(self) -> None:
+        for process in self.stopped:
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for stage, processes in list(self.workers.items()):
+            wanted = self.args.processors if stage == "processor" else self.args.decoders
+            for _ in range(wanted - len(processes)):
+                self.spawn(stage)
+        self.stopped.clear()
+
+    async def wait_ready(self, client: PipelineClient, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        wanted = {Stage.PROCESSOR: self.args.processors, Stage.DECODE: self.args.decoders}
+        while time.monotonic() < deadline:
+            try:
+                cards = [card for card in await client.live_workers() if card.ready]
+                if all(sum(card.stage == stage for card in cards) >= count for stage, count in wanted.items()):
+                    return
+            except Exception:  # the server may be coming back
+                pass
+            await asyncio.sleep(0.2)
+        raise RuntimeError("the pipeline did not get ready")
+
+    def stop(self) -> None:
+        for process in [p for processes in self.workers.values() for p in processes] + self.stopped:
+            process.terminate()
+        for process in [p for processes in self.workers.values() for p in processes] + self.stopped:
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        self.server.stop()
+
+
+def expected_tokens(prompt: list[int], count: int) -> list[int]:
+    engine, tokens = MockEngine(MockEngineConfig()), list(prompt)
+    for _ in range(count):
+        tokens.append(engine._next_token(tokens[-1], len(tokens)))
+    return tokens[len(prompt):]
+
+
+async def stream_one(client: PipelineClient, prompt: list[int], args: argparse.Namespace,
+                     cancel_after_s: float | None) -> Outcome:
+    request = CompletionRequest(request_id=f"fault-{uuid.uuid4().hex[:12]}", reply_to=client.new_inbox(), model="mock",
+                                prompt=prompt, max_tokens=args.max_tokens, stream_format=StreamFormat.TOKENS)
+    started_s = time.monotonic()
+    outcome = Outcome("hung")
+    tokens: list[int] = []
+    last_s = started_s
+    canceller = None
+    if cancel_after_s is not None:
+        canceller = asyncio.create_task(_cancel_later(client, request.request_id, cancel_after_s))
+    try:
+        async with asyncio.timeout(args.deadline_s):
+            async with await client.submit(request, first_frame_timeout_s=args.deadline_s) as stream:
+                async for chunk in stream:
+                    now = time.monotonic()
+                    if outcome.ttft_s is None:
+                        outcome.ttft_s = now - started_s
+                    else:
+                        outcome.gaps_s.append(now - last_s)
+                    last_s = now
+                    tokens.extend(chunk.token_ids)
+                final = stream.terminal
+        assert isinstance(final, FinalFrame)
+        outcome.migrated = final.migrations > 0
+        if final.finish_reason == FinishReason.CANCELLED:
+            outcome.kind = "cancelled" if cancel_after_s is not None else "failed"
+            outcome.detail = "cancelled unasked" if cancel_after_s is None else ""
+            outcome.wrong = tokens != expected_tokens(prompt, len(tokens))
+        else:
+            outcome.kind = "completed"
+            outcome.wrong = tokens != expected_tokens(prompt, args.max_tokens)
+    except TimeoutError:
+        outcome.kind, outcome.detail = "hung", f"no end after {args.deadline_s:.0f} s"
+    except RemoteError as error:
+        outcome.kind, outcome.detail = "failed", f"{error.code.value}"
+    except (ReplyGap, ReplyStreamBroken) as error:
+        outcome.kind, outcome.detail = "failed", type(error).__name__
+    finally:
+        if canceller is not None:
+            canceller.cancel()
+    return outcome
+
+
+async def _cancel_later(client: PipelineClient, request_id: str, delay_s: float) -> None:
+    await asyncio.sleep(delay_s)
+    await client.cancel(request_id, "bench cancel storm")
+
+
+def stalled_client(url: str, namespace: str) -> subprocess.Popen[bytes]:
+    """A client process with a long stream in flight that stops reading (SIGSTOP once subscribed)."""
+    code = f"""
+import asyncio, os, signal, sys, uuid
+sys.path.insert(0, {str(ROOT)!r})
+from bus.client import open_client
+from bus.settings import BusSettings, NatsSettings
+from schemas.client import CompletionRequest
+async def main():
+    async with open_client(NatsSettings(urls=[{url!r}]), BusSettings(namespace={namespace!r}), "stalled") as client:
+        request = CompletionRequest(request_id="stalled-" + uuid.uuid4().hex[:8], reply_to=client.new_inbox(),
+                                    model="mock", prompt=[5, 6, 7], max_tokens=5000)
+        stream = await client.submit(request)
+        await stream.__aiter__().__anext__()
+        os.kill(os.getpid(), signal.SIGSTOP)
+asyncio.run(main())
+"""
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+
+
+async def run_round(client: PipelineClient, cluster: Cluster, fault: str, args: argparse.Namespace,
+                    rng: random.Random) -> list[Outcome]:
+    prompts = [[rng.randrange(3, 32000) for _ in range(rng.randrange(16, 64))] for _ in range(args.concurrency)]
+    stream_s = args.max_tokens * args.inter_token_ms / 1000
+    cancels = [rng.random() < 0.5 if fault == "cancel-storm" else False for _ in prompts]
+    stalled = stalled_client(cluster.server.url, cluster.namespace) if fault == "stalled-client" else None
+    if stalled is not None:
+        await asyncio.sleep(1.0)  # subscribed, one frame read, stopped
+    tasks = []
+    for prompt, cancel in zip(prompts, cancels, strict=True):
+        cancel_after_s = rng.uniform(0.2, 0.8) * stream_s if cancel else None
+        tasks.append(asyncio.create_task(stream_one(client, prompt, args, cancel_after_s)))
+        await asyncio.sleep(args.spread_s / args.concurrency)
+    await asyncio.sleep(max(0.0, args.fault_at_s - args.spread_s))
+    await inject(cluster, fault)
+    outcomes = await asyncio.gather(*tasks)
+    if stalled is not None:
+        stalled.kill()
+        stalled.wait()
+    if fault == "nats-sigkill" or fault.endswith(("sigkill", "sigterm")):
+        cluster.replace_stopped()
+        await cluster.wait_ready(client)
+    return outcomes
+
+
+async def inject(cluster: Cluster, fault: str) -> None:
+    if fault == "decode-sigkill":
+        cluster.signal_one("decode", signal.SIGKILL)
+    elif fault == "decode-sigterm":
+        cluster.signal_one("decode", signal.SIGTERM)
+    elif fault == "processor-sigkill":
+        cluster.signal_one("processor", signal.SIGKILL)
+    elif fault == "nats-sigkill":
+        cluster.server.halt(signal.SIGKILL)
+        await asyncio.sleep(1.0)
+        cluster.server.start()
+
+
+def p99(values: list[float]) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def table(results: dict[str, list[Outcome]]) -> str:
+    lines = ["| fault | requests | completed | migrated | cancelled (asked) | failed | hung | wrong | TTFT p99 ms | "
+             "ITL p99 ms | longest gap ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for fault, outcomes in results.items():
+        kinds = [o.kind for o in outcomes]
+        count = kinds.count
+        ttfts = [o.ttft_s for o in outcomes if o.ttft_s is not None]
+        gaps = [gap for o in outcomes for gap in o.gaps_s]
+        lines.append(f"| {fault} | {len(outcomes)} | {count('completed')} | {sum(o.migrated for o in outcomes)} | "
+                     f"{count('cancelled')} | {count('failed')} | {count('hung')} | {sum(o.wrong for o in outcomes)} | "
+                     f"{p99(ttfts) * 1000:.0f} | {p99(gaps) * 1000:.1f} | {max(gaps, default=0) * 1000:.0f} |")
+    return "\n".join(lines)
+
+
+async def main(args: argparse.Namespace) -> None:
+    faults = FAULTS if args.faults == "all" else args.faults.split(",")
+    unknown = set(faults) - set(FAULTS)
+    if unknown:
+        raise SystemExit(f"unknown faults: {', '.join(sorted(unknown))}; choose from {', '.join(FAULTS)}")
+    rng = random.Random(args.seed)
+    namespace = f"faults{uuid.uuid4().hex[:6]}"
+    with tempfile.TemporaryDirectory(prefix="conveyor-faults-") as store:
+        cluster = Cluster(Path(store), namespace, args)
+        cluster.start()
+        try:
+            async with open_client(NatsSettings(urls=[cluster.server.url]), BusSettings(namespace=namespace),
+                                   "bench-faults") as client:
+                await cluster.wait_ready(client)
+                say(f"{args.processors} processor + {args.decoders} decode replicas ready (mock engine, "
+                    f"{args.inter_token_ms} ms/token); {args.rounds} rounds × {args.concurrency} streams per fault")
+                results: dict[str, list[Outcome]] = {}
+                for fault in faults:
+                    results[fault] = []
+                    for round_index in range(args.rounds):
+                        outcomes = await run_round(client, cluster, fault, args, rng)
+                        results[fault] += outcomes
+                        bad = [o for o in outcomes if o.kind in ("failed", "hung") or o.wrong]
+                        say(f"{fault} round {round_index + 1}: {sum(o.kind == 'completed' for o in outcomes)} completed, "
+                            f"{sum(o.migrated for o in outcomes)} migrated, {len(bad)} bad"
+                            + (f" ({', '.join(sorted({o.detail or 'wrong tokens' for o in bad}))})" if bad else ""))
+        finally:
+            cluster.stop()
+    print(table(results))
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--faults", default="all", help=f"comma-separated, or all: {', '.join(FAULTS)}")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per fault")
+    parser.add_argument("--concurrency", type=int, default=32, help="streams per round")
+    parser.add_argument("--max-tokens", type=int, default=200)
+    parser.add_argument("--inter-token-ms", type=float, default=10.0, help="the mock engine's time per token")
+    parser.add_argument("--processors", type=int, default=2)
+    parser.add_argument("--decoders", type=int, default=2)
+    parser.add_argument("--spread-s", type=float, default=1.0, help="requests of a round start over this long")
+    parser.add_argument("--fault-at-s", type=float, default=0.7, help="the fault, this long into the round")
+    parser.add_argument("--deadline-s", type=float, default=60.0, help="a stream not ended by then is hung")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    asyncio.run(main(parse_args()))
