@@ -224,10 +224,14 @@ class ReplySender:
                 await asyncio.sleep(0.1)  # not subscribed again yet, or slow: ask again
             else:
                 return  # the heartbeat loop decides whether the client is gone
-            frames = [payload for seq, payload in self._unconfirmed if seq >= answer.next_seq]
-            for payload in frames:
-                await self._nc.publish(self.reply_to, payload)
-        log.info("reply.resynced", request_id=self.request_id, from_seq=answer.next_seq, frames=len(frames))
+            await self._send_again(answer.next_seq)
+
+    async def _send_again(self, from_seq: int) -> None:
+        """Publish the kept frames from `from_seq` on (under the lock)."""
+        frames = [payload for seq, payload in self._unconfirmed if seq >= from_seq]
+        for payload in frames:
+            await self._nc.publish(self.reply_to, payload)
+        log.info("reply.sent_again", request_id=self.request_id, from_seq=from_seq, frames=len(frames))
 
     async def _probe(self, timeout_s: float) -> AliveAnswer | object | None:
         """The client's answer: its position (which confirms the frames before it), `_ALIVE` (an answer
@@ -251,7 +255,12 @@ class ReplySender:
                 return
             if time.monotonic() - self._last_sent_s >= self._heartbeat_interval_s:
                 await self.heartbeat()
-            if not await self.client_alive(timeout_s=self._heartbeat_interval_s):
+            answer = await self._probe(self._heartbeat_interval_s)
+            if isinstance(answer, AliveAnswer) and answer.missing:
+                # A frame was lost on the way (a cluster node died between us): the client has later ones.
+                async with self._lock:
+                    await self._send_again(answer.next_seq)
+            if answer is _GONE and time.monotonic() >= self._probe_grace_until:
                 CLIENTS_GONE.inc()
                 log.info("reply.client_gone", request_id=self.request_id)
                 self.client_gone.set()
@@ -431,7 +440,8 @@ class ReplyStream:
     async def _answer_alive(self, msg: Msg) -> None:
         if msg.reply:
             # Where this reader is, so a sender can send again what a NATS outage lost.
-            await self._nc.publish(msg.reply, encode(AliveAnswer(next_seq=self._next_seq)))
+            answer = AliveAnswer(next_seq=self._next_seq, missing=bool(self._ahead))
+            await self._nc.publish(msg.reply, encode(answer))
 
     def __aiter__(self) -> AsyncIterator[TokenChunk]:
         return self._chunks()

@@ -173,3 +173,45 @@ class EmbeddedNatsServer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+class EmbeddedNatsCluster:
+    """`size` nats-servers routed into one JetStream cluster (each with its own store), for tests and
+    benchmarks of a node dying under load. Give clients every URL; run streams with `stream_replicas` > 1.
+    """
+
+    def __init__(self, root: Path, size: int = 3, host: str = "127.0.0.1", name: str = "conveyor") -> None:
+        self.root = root
+        ports = [(free_port(host), free_port(host)) for _ in range(size)]
+        routes = ", ".join(f"nats://{host}:{cluster_port}" for _, cluster_port in ports)
+        self.nodes: list[EmbeddedNatsServer] = []
+        for index, (client_port, cluster_port) in enumerate(ports):
+            store = root / f"n{index}"
+            store.mkdir(parents=True, exist_ok=True)
+            config = store / "cluster.conf"
+            config.write_text(f"server_name: n{index}\n"
+                              f"cluster {{ name: {name}, listen: {host}:{cluster_port}, routes: [{routes}] }}\n")
+            self.nodes.append(EmbeddedNatsServer(host, client_port, store_dir=store, config_file=config))
+
+    @property
+    def urls(self) -> list[str]:
+        return [node.url for node in self.nodes]
+
+    def start(self, timeout_s: float = 30.0) -> list[str]:
+        """Start every node; JetStream answers once the nodes have elected a meta leader (`wait_for_jetstream`)."""
+        for node in self.nodes:
+            node.start(timeout_s)
+        return self.urls
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> EmbeddedNatsCluster:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

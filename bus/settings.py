@@ -77,6 +77,9 @@ class BusSettings(BaseSettings):
 
     # Subjects, streams and buckets are named from this, so tenants can share one server.
     namespace: str = Field(default="conveyor", pattern=r"^[a-z0-9][a-z0-9_-]*$", max_length=32)
+    # Copies JetStream keeps of every stream and the registry bucket: 1 on a single server, 3 on a cluster
+    # of 3 or more (any one node may then die without losing work, journals or cards).
+    stream_replicas: int = Field(default=1, ge=1, le=5)
     # Work older than this is dropped by the stream (a client waits far less than an hour).
     work_max_age_s: float = Field(default=3600.0, gt=0)
     work_max_msgs: int = Field(default=1_000_000, ge=1)

@@ -44,6 +44,7 @@ class StreamReport:
 
 def work_stream_config(names: Names, stage: Stage, settings: BusSettings, max_payload: int) -> StreamConfig:
     return StreamConfig(
+        num_replicas=settings.stream_replicas,
         name=names.work_stream(stage),
         description=f"Conveyor {stage.value} work queue",
         subjects=names.work_stream_subjects(stage),
@@ -61,6 +62,7 @@ def work_stream_config(names: Names, stage: Stage, settings: BusSettings, max_pa
 
 def control_stream_config(names: Names, settings: BusSettings) -> StreamConfig:
     return StreamConfig(
+        num_replicas=settings.stream_replicas,
         name=names.control_stream,
         description="Conveyor cancels, replayed by workers that start late",
         subjects=[names.cancel_subject],
@@ -74,6 +76,7 @@ def control_stream_config(names: Names, settings: BusSettings) -> StreamConfig:
 
 def kv_events_stream_config(names: Names, settings: BusSettings, max_payload: int) -> StreamConfig:
     return StreamConfig(
+        num_replicas=settings.stream_replicas,
         name=names.kv_events_stream,
         description="Conveyor KV-cache events per worker",
         subjects=[names.kv_events_subjects],
@@ -87,6 +90,7 @@ def kv_events_stream_config(names: Names, settings: BusSettings, max_payload: in
 
 def dead_letter_stream_config(names: Names, settings: BusSettings, max_payload: int) -> StreamConfig:
     return StreamConfig(
+        num_replicas=settings.stream_replicas,
         name=names.dead_letter_stream,
         description="Conveyor tasks a stage gave up on, with the reason (conveyor dlq)",
         subjects=[names.dead_letter_subject("*")],
@@ -102,6 +106,7 @@ def dead_letter_stream_config(names: Names, settings: BusSettings, max_payload: 
 
 def progress_stream_config(names: Names, settings: BusSettings, max_payload: int) -> StreamConfig:
     return StreamConfig(
+        num_replicas=settings.stream_replicas,
         name=names.progress_stream,
         description="Conveyor reply journals: what each streaming request has sent, for migration",
         subjects=[f"{names.namespace}.progress.>"],
@@ -148,6 +153,7 @@ async def ensure_registry_bucket(js: JetStreamContext, names: Names, settings: B
             description="Conveyor worker cards",
             ttl=settings.registry_ttl_s,
             history=1,
+            replicas=settings.stream_replicas,
             # On disk, so the cards outlive a server restart: the pipeline is ready the moment it is back.
             storage=StorageType.FILE,
         )

@@ -147,9 +147,11 @@ class EmbeddingResult(WireModel):
 class AliveAnswer(WireModel):
     """A receiver's answer to a liveness probe on `{inbox}.alive` (an empty answer also means alive).
 
-    `next_seq` lets a sender fill a gap: after a NATS reconnect it sends again every frame from there."""
+    `next_seq` lets a sender fill a gap: after a NATS reconnect, or when the receiver says frames after it
+    arrived (`missing`: the frame was lost, e.g. with a cluster node), it sends again every frame from there."""
 
     next_seq: int = Field(ge=0)
+    missing: bool = False
 
 
 ReplyFrame = Annotated[

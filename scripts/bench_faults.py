@@ -11,12 +11,13 @@ default), one fault injected into each round while its requests stream, then a t
   follow from the sequence so far, so a migrated answer must equal an uninterrupted one);
 - TTFT p99, ITL p99 and the longest gap between two frames, in the fault's rounds.
 
-Faults: none, decode-sigkill, decode-sigterm, processor-sigkill, nats-sigkill (the server is killed and
-started again after 1 s on the same store), cancel-storm (half the requests cancelled mid-stream),
+Faults: none, decode-sigkill, decode-sigterm, processor-sigkill, nats-sigkill (the server, or with
+`--nats-nodes 3` one node of a cluster, is killed and started again after 1 s on the same store), cancel-storm (half the requests cancelled mid-stream),
 stalled-client (a client process that stops reading, SIGSTOP, with a long request in flight).
 
     .venv/bin/python scripts/bench_faults.py                          # every fault, 3 rounds of 32 streams
     .venv/bin/python scripts/bench_faults.py --faults decode-sigkill --rounds 10 --concurrency 64
+    .venv/bin/python scripts/bench_faults.py --nats-nodes 3 --faults none,nats-sigkill,decode-sigkill
 """
 
 from __future__ import annotations
@@ -40,7 +41,10 @@ sys.path.insert(0, str(ROOT))
 
 from bus.client import PipelineClient, open_client
 from bus.errors import RemoteError, ReplyGap, ReplyStreamBroken
-from bus.server import EmbeddedNatsServer
+from bus.connection import connect
+from bus.server import EmbeddedNatsCluster, EmbeddedNatsServer
+from bus.streams import declare_all
+from bus.subjects import Names
 from bus.settings import BusSettings, NatsSettings
 from schemas.client import CompletionRequest, StreamFormat
 from schemas.registry import Stage
@@ -69,22 +73,46 @@ class Cluster:
     """nats-server and the worker processes, each killable and replaceable."""
 
     def __init__(self, store: Path, namespace: str, args: argparse.Namespace) -> None:
-        self.server = EmbeddedNatsServer(store_dir=store)
+        # One server, or a cluster whose first node is the one the nats fault kills.
+        self.cluster = EmbeddedNatsCluster(store, size=args.nats_nodes) if args.nats_nodes > 1 else None
+        self.server = self.cluster.nodes[0] if self.cluster is not None else EmbeddedNatsServer(store_dir=store)
+        self.urls = self.cluster.urls if self.cluster is not None else [self.server.url]
+        self.settings = BusSettings(namespace=namespace, stream_replicas=min(3, args.nats_nodes))
         self.namespace = namespace
         self.args = args
         self.workers: dict[str, list[subprocess.Popen[bytes]]] = defaultdict(list)
         self.stopped: list[subprocess.Popen[bytes]] = []
 
-    def start(self) -> None:
-        self.server.start()
+    async def start(self) -> None:
+        if self.cluster is not None:
+            self.cluster.start()
+        else:
+            self.server.start()
+        await self._declare()
         for _ in range(self.args.processors):
             self.spawn("processor")
         for _ in range(self.args.decoders):
             self.spawn("decode")
 
+    async def _declare(self, timeout_s: float = 30.0) -> None:
+        """Declare the namespace (a cluster answers once it has elected a JetStream meta leader)."""
+        nc = await connect(NatsSettings(urls=self.urls), name="bench-faults-setup")
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                try:
+                    await declare_all(nc.jetstream(), Names(self.namespace), self.settings, nc.max_payload)
+                    return
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.5)
+        finally:
+            await nc.close()
+
     def spawn(self, stage: str) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "CONVEYOR_NAMESPACE": self.namespace,
-               "CONVEYOR_NATS_URLS": self.server.url, "CONVEYOR_MOCK_INTER_TOKEN_S": str(self.args.inter_token_ms / 1000),
+               "CONVEYOR_NATS_URLS": ",".join(self.urls), "CONVEYOR_STREAM_REPLICAS": str(self.settings.stream_replicas), "CONVEYOR_MOCK_INTER_TOKEN_S": str(self.args.inter_token_ms / 1000),
                "CONVEYOR_MOCK_MAX_RUNNING_REQUESTS": "256", "CONVEYOR_REGISTRY_TTL_S": "3"}
         command = [sys.executable, "-m", "workers.cli", "worker", stage, "--engine", "mock", "--log-level", "ERROR",
                    "--shutdown-grace-s", "0.5"]
@@ -129,7 +157,10 @@ class Cluster:
                 process.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 process.kill()
-        self.server.stop()
+        if self.cluster is not None:
+            self.cluster.stop()
+        else:
+            self.server.stop()
 
 
 def expected_tokens(prompt: list[int], count: int) -> list[int]:
@@ -213,7 +244,7 @@ async def run_round(client: PipelineClient, cluster: Cluster, fault: str, args: 
     prompts = [[rng.randrange(3, 32000) for _ in range(rng.randrange(16, 64))] for _ in range(args.concurrency)]
     stream_s = args.max_tokens * args.inter_token_ms / 1000
     cancels = [rng.random() < 0.5 if fault == "cancel-storm" else False for _ in prompts]
-    stalled = stalled_client(cluster.server.url, cluster.namespace) if fault == "stalled-client" else None
+    stalled = stalled_client(cluster.urls[-1], cluster.namespace) if fault == "stalled-client" else None
     if stalled is not None:
         await asyncio.sleep(1.0)  # subscribed, one frame read, stopped
     tasks = []
@@ -277,12 +308,12 @@ async def main(args: argparse.Namespace) -> None:
     namespace = f"faults{uuid.uuid4().hex[:6]}"
     with tempfile.TemporaryDirectory(prefix="conveyor-faults-") as store:
         cluster = Cluster(Path(store), namespace, args)
-        cluster.start()
         try:
-            async with open_client(NatsSettings(urls=[cluster.server.url]), BusSettings(namespace=namespace),
-                                   "bench-faults") as client:
+            await cluster.start()
+            async with open_client(NatsSettings(urls=cluster.urls), cluster.settings, "bench-faults") as client:
                 await cluster.wait_ready(client)
-                say(f"{args.processors} processor + {args.decoders} decode replicas ready (mock engine, "
+                say(f"{args.processors} processor + {args.decoders} decode replicas on {args.nats_nodes} NATS node(s) ready "
+                    f"(mock engine, "
                     f"{args.inter_token_ms} ms/token); {args.rounds} rounds × {args.concurrency} streams per fault")
                 results: dict[str, list[Outcome]] = {}
                 for fault in faults:
@@ -311,6 +342,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--spread-s", type=float, default=1.0, help="requests of a round start over this long")
     parser.add_argument("--fault-at-s", type=float, default=0.7, help="the fault, this long into the round")
     parser.add_argument("--deadline-s", type=float, default=60.0, help="a stream not ended by then is hung")
+    parser.add_argument("--nats-nodes", type=int, default=1,
+                        help="NATS servers: 1, or a cluster (streams replicated 3 times; nats-sigkill kills one node)")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
 
