@@ -77,6 +77,8 @@ async def test_every_bad_input_gets_its_error_frame_and_the_pipeline_keeps_servi
         assert (await expect_error(bus, chat(client, "   "))).code == ErrorCode.INVALID_REQUEST
         too_long = await expect_error(bus, completion(client, list(range(3, 9000))))
         assert too_long.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED and "8192" in too_long.frame.message
+        outside = await expect_error(bus, completion(client, [5, 32000]))
+        assert outside.code == ErrorCode.INVALID_REQUEST and "outside the vocabulary" in outside.frame.message
         image = chat(client, "x").model_copy(update={"messages": [
             ChatMessage(role="user", content=[ImagePart(image_url=MediaUrl(url="http://x/cat.png"))])]})
         assert (await expect_error(bus, image)).code == ErrorCode.UNSUPPORTED

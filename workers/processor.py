@@ -13,9 +13,10 @@ LLM worker that encodes in-process (EPD).
 Emits to the client only errors; the stage that finishes the request streams the reply.
 
 Fails how (each an error frame to the inbox, then ack; the processor goes on serving):
-unknown model → `unknown_model`; empty input, or images for a text-only pipeline → `invalid_request`
+unknown model → `unknown_model`; token ids outside the vocabulary → `invalid_request`; empty input, or images for a text-only pipeline → `invalid_request`
 / `unsupported` (video: `unsupported`); a full next queue → `overloaded` (retryable); prompt not shorter than the context → `context_length_exceeded`; no live worker for
-a stage the model's mode needs → `unknown_model` naming the missing stage. Out-of-range sampling
+a stage the model's mode needs, nor one seen in the last three registry TTLs → `unknown_model` naming the
+missing stage. Out-of-range sampling
 values never reach here: the consumer answers them with `invalid_request` from the schema.
 """
 
@@ -64,6 +65,18 @@ class ServedModel:
     eos_token_ids: tuple[int, ...]
     # The token put where an image goes, one per image (None: a text-only model).
     image_placeholder_id: int | None = None
+    # Token ids a client may send are below this (None: not checked).
+    vocab_size: int | None = None
+
+    def check_token_ids(self, token_ids: list[int]) -> None:
+        """Refuse ids the model has no embedding for: an engine would fail on them (or, at 10^6 and
+        up, take them for image pads)."""
+        if self.vocab_size is None:
+            return
+        bad = next((token for token in token_ids if not 0 <= token < self.vocab_size), None)
+        if bad is not None:
+            raise RejectRequest(ErrorCode.INVALID_REQUEST,
+                                f"token id {bad} is outside the vocabulary of {self.name} (0 to {self.vocab_size - 1})")
 
 
 class ProcessorStage:
@@ -76,6 +89,9 @@ class ProcessorStage:
         self._context: StageContext | None = None
         self._cards: list[WorkerCard] = []
         self._cards_at_s = 0.0
+        # When each (model, stage) was last seen with a ready worker.
+        self._last_ready_s: dict[tuple[str, Stage], float] = {}
+        self._ready_grace_s = 30.0
 
     @property
     def engine(self) -> None:
@@ -87,6 +103,7 @@ class ProcessorStage:
 
     async def start(self, context: StageContext) -> None:
         self._context = context
+        self._ready_grace_s = 3 * context.settings.registry_ttl_s
 
     async def stop(self) -> None:
         return None
@@ -171,6 +188,8 @@ class ProcessorStage:
         if not texts or any(isinstance(item, str) and not item.strip() for item in texts):
             raise RejectRequest(ErrorCode.INVALID_REQUEST, "input is empty, or holds an empty text")
         token_lists = _embedding_inputs(request.input, model)
+        for token_ids in token_lists:
+            model.check_token_ids(token_ids)
         if not token_lists or not all(token_lists):
             raise RejectRequest(ErrorCode.INVALID_REQUEST, "input is empty")
         header = TaskHeader(request_id=request.request_id, reply_to=request.reply_to, created_at_s=created_at_s)
@@ -184,6 +203,7 @@ class ProcessorStage:
         if isinstance(request, CompletionRequest):
             if isinstance(request.prompt, list):
                 token_ids = list(request.prompt)  # already tokenized: no template, no tokenizer
+                model.check_token_ids(token_ids)
             else:
                 token_ids = list(model.tokenizer.encode(request.prompt))
         else:
@@ -242,7 +262,15 @@ class ProcessorStage:
 
     async def _require_stages(self, model: str, mode: ServingMode) -> None:
         ready = {card.stage for card in await self._live_cards() if card.model == model and card.ready}
-        missing = (REQUIRED_STAGES[mode] - {Stage.PROCESSOR}) - ready
+        now_s = time.monotonic()
+        for stage in ready:
+            self._last_ready_s[(model, stage)] = now_s
+        # A stage seen ready moments ago is taken as still there: its cards may have expired while
+        # JetStream recovered (a restart, a cluster electing leaders) or its worker is restarting.
+        # The task waits in its queue meanwhile, rather than the request being refused.
+        recent = {stage for (name, stage), seen_s in self._last_ready_s.items()
+                  if name == model and now_s - seen_s < self._ready_grace_s}
+        missing = (REQUIRED_STAGES[mode] - {Stage.PROCESSOR}) - ready - recent
         if missing:
             raise RejectRequest(
                 ErrorCode.UNKNOWN_MODEL,

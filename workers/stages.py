@@ -80,15 +80,19 @@ def served_model(kind: EngineKind, model: str) -> ServedModel:
     """A model as the processor sees it: tokenizer, context length, EOS ids."""
     tokenizer = load_tokenizer(kind, model)
     if kind == EngineKind.MOCK:
-        return ServedModel(model, tokenizer, MOCK_CONTEXT_LENGTH, (tokenizer.eos_token_id,))
+        from workers.engines.mock import MockEngineConfig
+
+        return ServedModel(model, tokenizer, MOCK_CONTEXT_LENGTH, (tokenizer.eos_token_id,),
+                           vocab_size=MockEngineConfig().vocab_size)
     from workers.engines.torch_engine.embedding import is_embedding_model
     from workers.engines.torch_engine.loader import ModelConfig, resolve_model
 
     model_dir = resolve_model(model)
     if is_embedding_model(model_dir):
         raw = json.loads((model_dir / "config.json").read_text())
-        return ServedModel(model, tokenizer, raw["max_position_embeddings"], ())
+        return ServedModel(model, tokenizer, raw["max_position_embeddings"], (), vocab_size=raw.get("vocab_size"))
     config = ModelConfig.from_dir(model_dir)
     # Torch-engine models take images (the seeded vision tower; see torch_engine/vision.py).
     return ServedModel(model, tokenizer, config.max_position_embeddings, config.eos_token_ids,
-                       image_placeholder_id=placeholder_id(config.vocab_size) if kind == EngineKind.TORCH else None)
+                       image_placeholder_id=placeholder_id(config.vocab_size) if kind == EngineKind.TORCH else None,
+                       vocab_size=config.vocab_size)
