@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from bus.cancel import send_cancel
+from bus.cancel import scope_of, send_cancel
 from bus.connection import connect
 from bus.publish import TaskPublisher
 from bus.registry import live_workers
@@ -57,7 +57,9 @@ class PipelineClient:
         return stream
 
     async def cancel(self, request_id: str, reason: str = "cancelled by client") -> None:
-        await send_cancel(self._js, self._names, request_id, reason)
+        # Scoped to this client's inboxes when they carry an owner token (`_INBOX.alice.…`): a secured
+        # server lets a client cancel only there.
+        await send_cancel(self._js, self._names, request_id, reason, scope_of(self._nc.new_inbox()))
 
     async def live_workers(self) -> list[WorkerCard]:
         bucket = await ensure_registry_bucket(self._js, self._names, self._settings)

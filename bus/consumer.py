@@ -320,13 +320,13 @@ class WorkConsumer(Generic[TaskT]):
             heartbeat_interval_s=self._settings.heartbeat_interval_s,
             journal=journal,
         )
-        if self._cancels.is_cancelled(task.request_id):
+        if self._cancels.is_cancelled(task.request_id, task.reply_to):
             CANCELS.labels(where="queued").inc()
             log.info("task.dropped_cancelled")
             await reply.finish(FinishReason.CANCELLED, Usage.of(0, 0))
             await self._ack(msg, "cancelled")
             return
-        with self._cancels.watch(task.request_id) as cancelled:
+        with self._cancels.watch(task.request_id, task.reply_to) as cancelled:
             delivery = Delivery(
                 request_id=task.request_id,
                 num_delivered=msg.metadata.num_delivered,

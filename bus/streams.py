@@ -65,7 +65,7 @@ def control_stream_config(names: Names, settings: BusSettings) -> StreamConfig:
         num_replicas=settings.stream_replicas,
         name=names.control_stream,
         description="Conveyor cancels, replayed by workers that start late",
-        subjects=[names.cancel_subject],
+        subjects=names.cancel_subjects,
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
         max_age=settings.cancel_ttl_s,

@@ -54,7 +54,19 @@ class Names:
 
     @property
     def cancel_subject(self) -> str:
+        """Cancels of any request (trusted publishers); `cancel_subject_for(scope)` for one client's own."""
         return f"{self.namespace}.control.cancel"
+
+    def cancel_subject_for(self, scope: str | None) -> str:
+        return self.cancel_subject if scope is None else f"{self.cancel_subject}.{scope}"
+
+    @property
+    def cancel_subjects(self) -> list[str]:
+        return [self.cancel_subject, f"{self.cancel_subject}.*"]
+
+    def cancel_scope(self, subject: str) -> str | None:
+        """The scope a cancel was published in (None: the bare subject, any request)."""
+        return subject[len(self.cancel_subject) + 1 :] if subject != self.cancel_subject else None
 
     @property
     def control_stream(self) -> str:

@@ -8,7 +8,8 @@ default), one fault injected into each round while its requests stream, then a t
 - cancelled: ended `cancelled` because the round cancelled them (the cancel storm), as asked;
 - failed: an error frame, a broken or gapped stream; hung: no end within the deadline;
 - wrong: completed, but the tokens differ from what the mock model produces for that prompt (its tokens
-  follow from the sequence so far, so a migrated answer must equal an uninterrupted one);
+  follow from the sequence so far, so a migrated answer must equal an uninterrupted one); with
+  `--engine torch` (greedy, the real model), an answer shorter or longer than asked;
 - TTFT p99, ITL p99 and the longest gap between two frames, in the fault's rounds.
 
 Faults: none, decode-sigkill, decode-sigterm, processor-sigkill, nats-sigkill (the server, or with
@@ -114,8 +115,8 @@ class Cluster:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "CONVEYOR_NAMESPACE": self.namespace,
                "CONVEYOR_NATS_URLS": ",".join(self.urls), "CONVEYOR_STREAM_REPLICAS": str(self.settings.stream_replicas), "CONVEYOR_MOCK_INTER_TOKEN_S": str(self.args.inter_token_ms / 1000),
                "CONVEYOR_MOCK_MAX_RUNNING_REQUESTS": "256", "CONVEYOR_REGISTRY_TTL_S": "3"}
-        command = [sys.executable, "-m", "workers.cli", "worker", stage, "--engine", "mock", "--log-level", "ERROR",
-                   "--shutdown-grace-s", "0.5"]
+        command = [sys.executable, "-m", "workers.cli", "worker", stage, "--engine", self.args.engine, "--log-level",
+                   "ERROR", "--shutdown-grace-s", "0.5"]
         self.workers[stage].append(subprocess.Popen(command, cwd=ROOT, env=env))
 
     def signal_one(self, stage: str, signum: signal.Signals) -> None:
@@ -136,7 +137,7 @@ class Cluster:
                 self.spawn(stage)
         self.stopped.clear()
 
-    async def wait_ready(self, client: PipelineClient, timeout_s: float = 120.0) -> None:
+    async def wait_ready(self, client: PipelineClient, timeout_s: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_s
         wanted = {Stage.PROCESSOR: self.args.processors, Stage.DECODE: self.args.decoders}
         while time.monotonic() < deadline:
@@ -172,8 +173,9 @@ def expected_tokens(prompt: list[int], count: int) -> list[int]:
 
 async def stream_one(client: PipelineClient, prompt: list[int], args: argparse.Namespace,
                      cancel_after_s: float | None) -> Outcome:
-    request = CompletionRequest(request_id=f"fault-{uuid.uuid4().hex[:12]}", reply_to=client.new_inbox(), model="mock",
-                                prompt=prompt, max_tokens=args.max_tokens, stream_format=StreamFormat.TOKENS)
+    request = CompletionRequest(request_id=f"fault-{uuid.uuid4().hex[:12]}", reply_to=client.new_inbox(), model=args.model,
+                                prompt=prompt, max_tokens=args.max_tokens, stream_format=StreamFormat.TOKENS,
+                                temperature=0.0, ignore_eos=True)
     started_s = time.monotonic()
     outcome = Outcome("hung")
     tokens: list[int] = []
@@ -198,10 +200,12 @@ async def stream_one(client: PipelineClient, prompt: list[int], args: argparse.N
         if final.finish_reason == FinishReason.CANCELLED:
             outcome.kind = "cancelled" if cancel_after_s is not None else "failed"
             outcome.detail = "cancelled unasked" if cancel_after_s is None else ""
-            outcome.wrong = tokens != expected_tokens(prompt, len(tokens))
+            outcome.wrong = args.engine == "mock" and tokens != expected_tokens(prompt, len(tokens))
         else:
             outcome.kind = "completed"
-            outcome.wrong = tokens != expected_tokens(prompt, args.max_tokens)
+            # The mock's answer is known; the torch engine's must at least be whole.
+            outcome.wrong = (tokens != expected_tokens(prompt, args.max_tokens) if args.engine == "mock"
+                             else len(tokens) != args.max_tokens)
     except TimeoutError:
         outcome.kind, outcome.detail = "hung", f"no end after {args.deadline_s:.0f} s"
     except RemoteError as error:
@@ -219,7 +223,7 @@ async def _cancel_later(client: PipelineClient, request_id: str, delay_s: float)
     await client.cancel(request_id, "bench cancel storm")
 
 
-def stalled_client(url: str, namespace: str) -> subprocess.Popen[bytes]:
+def stalled_client(url: str, namespace: str, model: str) -> subprocess.Popen[bytes]:
     """A client process with a long stream in flight that stops reading (SIGSTOP once subscribed)."""
     code = f"""
 import asyncio, os, signal, sys, uuid
@@ -230,7 +234,7 @@ from schemas.client import CompletionRequest
 async def main():
     async with open_client(NatsSettings(urls=[{url!r}]), BusSettings(namespace={namespace!r}), "stalled") as client:
         request = CompletionRequest(request_id="stalled-" + uuid.uuid4().hex[:8], reply_to=client.new_inbox(),
-                                    model="mock", prompt=[5, 6, 7], max_tokens=5000)
+                                    model={model!r}, prompt=[5, 6, 7], max_tokens=5000)
         stream = await client.submit(request)
         await stream.__aiter__().__anext__()
         os.kill(os.getpid(), signal.SIGSTOP)
@@ -241,10 +245,11 @@ asyncio.run(main())
 
 async def run_round(client: PipelineClient, cluster: Cluster, fault: str, args: argparse.Namespace,
                     rng: random.Random) -> list[Outcome]:
-    prompts = [[rng.randrange(3, 32000) for _ in range(rng.randrange(16, 64))] for _ in range(args.concurrency)]
+    vocab = 32000 if args.engine == "mock" else 49152
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randrange(16, 64))] for _ in range(args.concurrency)]
     stream_s = args.max_tokens * args.inter_token_ms / 1000
     cancels = [rng.random() < 0.5 if fault == "cancel-storm" else False for _ in prompts]
-    stalled = stalled_client(cluster.urls[-1], cluster.namespace) if fault == "stalled-client" else None
+    stalled = stalled_client(cluster.urls[-1], cluster.namespace, args.model) if fault == "stalled-client" else None
     if stalled is not None:
         await asyncio.sleep(1.0)  # subscribed, one frame read, stopped
     tasks = []
@@ -300,6 +305,7 @@ def table(results: dict[str, list[Outcome]]) -> str:
 
 
 async def main(args: argparse.Namespace) -> None:
+    args.model = "mock" if args.engine == "mock" else "SmolLM2-135M-Instruct"
     faults = FAULTS if args.faults == "all" else args.faults.split(",")
     unknown = set(faults) - set(FAULTS)
     if unknown:
@@ -313,7 +319,7 @@ async def main(args: argparse.Namespace) -> None:
             async with open_client(NatsSettings(urls=cluster.urls), cluster.settings, "bench-faults") as client:
                 await cluster.wait_ready(client)
                 say(f"{args.processors} processor + {args.decoders} decode replicas on {args.nats_nodes} NATS node(s) ready "
-                    f"(mock engine, "
+                    f"({args.engine} engine, "
                     f"{args.inter_token_ms} ms/token); {args.rounds} rounds × {args.concurrency} streams per fault")
                 results: dict[str, list[Outcome]] = {}
                 for fault in faults:
@@ -342,6 +348,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--spread-s", type=float, default=1.0, help="requests of a round start over this long")
     parser.add_argument("--fault-at-s", type=float, default=0.7, help="the fault, this long into the round")
     parser.add_argument("--deadline-s", type=float, default=60.0, help="a stream not ended by then is hung")
+    parser.add_argument("--engine", choices=["mock", "torch"], default="mock",
+                        help="mock (scale; its tokens are known, so wrong answers are counted) or torch (the real model)")
     parser.add_argument("--nats-nodes", type=int, default=1,
                         help="NATS servers: 1, or a cluster (streams replicated 3 times; nats-sigkill kills one node)")
     parser.add_argument("--seed", type=int, default=0)

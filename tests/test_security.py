@@ -101,3 +101,87 @@ async def test_client_that_does_not_trust_the_ca_cannot_connect(secured_server: 
     with pytest.raises(ConnectionError):
         async with open_client(plain, BusSettings(), "plain"):
             pass
+
+
+async def raw_connection(server: EmbeddedNatsServer, user: str, violations: list[str]) -> nats.NATS:
+    settings = as_user(server, user)
+
+    async def record(error: Exception) -> None:
+        violations.append(str(error).lower())
+
+    return await nats.connect(servers=settings.urls, user=user, password=PASSWORDS[user], tls=tls_context(settings),
+                              inbox_prefix=f"_INBOX.{user}", error_cb=record, allow_reconnect=False)
+
+
+async def test_no_client_cancels_anothers_request_reads_the_bus_or_forges_a_card(secured_server: EmbeddedNatsServer) -> None:
+    from schemas.codec import encode
+    from schemas.control import Cancel
+    from schemas.replies import FinishReason
+
+    bus = BusSettings(namespace="conveyor", work_max_bytes=8 << 20, heartbeat_interval_s=0.2)
+    runtimes = []
+    for stage, built in ((Stage.PROCESSOR, mock_processor()), (Stage.DECODE, mock_decode(inter_token_s=0.01))):
+        options = WorkerOptions(stage=stage, model=MOCK, mode=ServingMode.AGGREGATED, engine_name="mock",
+                                http_host="127.0.0.1", handle_signals=False, canary_interval_s=3600)
+        runtime = WorkerRuntime(built, options, as_user(secured_server, stage.value), bus)
+        runtimes.append((runtime, asyncio.create_task(runtime.run())))
+        await asyncio.wait_for(runtime.started.wait(), timeout=30)
+    violations: list[str] = []
+    try:
+        async with open_client(as_user(secured_server, "bob"), bus, "bob") as bob, \
+                open_client(as_user(secured_server, "alice"), bus, "alice") as alice:
+            bobs = chat(bob, "a long answer, please", max_tokens=150)
+            async with await bob.submit(bobs) as bobs_stream:
+                await bobs_stream.__aiter__().__anext__()
+                intruder = await raw_connection(secured_server, "alice", violations)
+                try:
+                    cancel = encode(Cancel(request_id=bobs.request_id, reason="mischief", sent_at_s=1.0))
+                    await intruder.publish("conveyor.control.cancel", cancel)  # the any-request subject
+                    await intruder.publish("conveyor.control.cancel.bob", cancel)  # bob's scope
+                    await intruder.publish("conveyor.control.cancel.alice", cancel)  # allowed, but not bob's request
+                    await intruder.subscribe("conveyor.kv.>")  # the KV events
+                    await intruder.subscribe("$KV.conveyor_workers.>")  # the registry
+                    await intruder.publish("$JS.API.STREAM.INFO.CONVEYOR_KV_EVENTS", b"")
+                    await intruder.publish("$KV.conveyor_workers.forged-worker", b"{}")  # a forged card
+                    await intruder.flush()
+                    await asyncio.sleep(0.5)
+                finally:
+                    await intruder.close()
+                chunks = [chunk async for chunk in bobs_stream]
+            assert isinstance(bobs_stream.terminal, FinalFrame)
+            assert bobs_stream.terminal.finish_reason == FinishReason.LENGTH and len(chunks) == 149
+
+            # A client cancels its own request (scoped to its inboxes) and that works.
+            own = chat(alice, "another long one", max_tokens=500)
+            async with await alice.submit(own) as own_stream:
+                await own_stream.__aiter__().__anext__()
+                await alice.cancel(own.request_id)
+                _, final = await own_stream.collect()
+            assert isinstance(final, FinalFrame) and final.finish_reason == FinishReason.CANCELLED
+
+        # A worker of one role cannot feed another role's queue.
+        worker = await raw_connection(secured_server, "decode", violations)
+        try:
+            await worker.publish("conveyor.work.prefill.mock", b"\x80")
+            await worker.publish("conveyor.work.processor", b"\x80")
+            await worker.flush()
+            await asyncio.sleep(0.5)
+        finally:
+            await worker.close()
+    finally:
+        for runtime, task in runtimes:
+            runtime.request_stop()
+        await asyncio.gather(*(task for _, task in runtimes), return_exceptions=True)
+
+    def refused(kind: str, subject: str) -> bool:
+        return any(f"permissions violation for {kind}" in v and subject.lower() in v for v in violations)
+
+    assert refused("publish", '"conveyor.control.cancel"')
+    assert refused("publish", "conveyor.control.cancel.bob")
+    assert not refused("publish", "conveyor.control.cancel.alice")
+    assert refused("subscription", "conveyor.kv.>")
+    assert refused("subscription", "$kv.conveyor_workers.>")
+    assert refused("publish", "$js.api.stream.info.conveyor_kv_events")
+    assert refused("publish", "$kv.conveyor_workers.forged-worker")
+    assert refused("publish", "conveyor.work.prefill.mock")
+    assert refused("publish", '"conveyor.work.processor"')
