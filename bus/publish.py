@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import structlog
 from nats.js import JetStreamContext
-
-from nats.js.errors import ServiceUnavailableError
+from nats.js.api import PubAck
+from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from bus.errors import PayloadTooLarge, QueueFull
 from bus.metrics import MESSAGES_OUT
@@ -27,13 +28,16 @@ class TaskPublisher:
 
     `Nats-Msg-Id` is the request id, so JetStream drops a second copy published within the dedupe
     window: a client retrying a publish, or a stage redelivered after it already forwarded a task,
-    does not run the request twice.
+    does not run the request twice. That is also why a publish JetStream did not acknowledge (a
+    server restarting, a cluster electing a stream leader) is simply sent again, for up to
+    `retry_for_s`.
     """
 
-    def __init__(self, js: JetStreamContext, names: Names, max_message_bytes: int) -> None:
+    def __init__(self, js: JetStreamContext, names: Names, max_message_bytes: int, retry_for_s: float = 15.0) -> None:
         self._js = js
         self._names = names
         self.max_message_bytes = max_message_bytes
+        self._retry_for_s = retry_for_s
 
     async def publish(
         self, stage: Stage, task: WireModel, request_id: str, trace: TraceContext, model: str | None = None
@@ -49,7 +53,7 @@ class TaskPublisher:
             TRACEPARENT_HEADER: trace.traceparent,
         }
         try:
-            ack = await self._js.publish(subject, payload, headers=headers)
+            ack = await self._publish_until_acked(subject, payload, headers)
         except ServiceUnavailableError as error:
             if error.err_code in _STREAM_FULL:
                 raise QueueFull(subject, error.description or "stream limit reached") from error
@@ -58,3 +62,14 @@ class TaskPublisher:
         if ack.duplicate:
             log.info("publish.duplicate_dropped", subject=subject, request_id=request_id)
         return not ack.duplicate
+
+    async def _publish_until_acked(self, subject: str, payload: bytes, headers: dict[str, str]) -> PubAck:
+        retrying = AsyncRetrying(
+            wait=wait_exponential(multiplier=0.1, max=1.0), stop=stop_after_delay(self._retry_for_s), reraise=True,
+            retry=retry_if_exception_type((NoStreamResponseError, TimeoutError)),
+            before_sleep=lambda state: log.warning("publish.unacknowledged", subject=subject,
+                                                   error=repr(state.outcome.exception())))
+        async for attempt in retrying:
+            with attempt:
+                return await self._js.publish(subject, payload, headers=headers)
+        raise AssertionError("unreachable: tenacity re-raises the last error")

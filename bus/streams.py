@@ -23,7 +23,8 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, NotFoundError
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 from nats.js.kv import KeyValue
 
 from bus.settings import BusSettings
@@ -142,6 +143,21 @@ async def declare_all(js: JetStreamContext, names: Names, settings: BusSettings,
     await ensure_stream(js, dead_letter_stream_config(names, settings, max_payload))
     await ensure_stream(js, progress_stream_config(names, settings, max_payload))
     return await ensure_registry_bucket(js, names, settings)
+
+
+async def declare_all_when_ready(js: JetStreamContext, names: Names, settings: BusSettings, max_payload: int,
+                                 timeout_s: float = 60.0) -> KeyValue:
+    """`declare_all`, retried while JetStream cannot answer yet: a server still starting, or a cluster
+    electing its leaders after a node died (a worker started then would otherwise exit)."""
+    retrying = AsyncRetrying(wait=wait_exponential(multiplier=0.1, max=2.0), stop=stop_after_delay(timeout_s),
+                             retry=retry_if_exception_type((TimeoutError, APIError)),
+                             before_sleep=lambda state: log.warning("streams.jetstream_not_ready",
+                                                                    error=repr(state.outcome.exception())),
+                             reraise=True)
+    async for attempt in retrying:
+        with attempt:
+            return await declare_all(js, names, settings, max_payload)
+    raise AssertionError("unreachable: tenacity re-raises the last error")
 
 
 async def ensure_registry_bucket(js: JetStreamContext, names: Names, settings: BusSettings) -> KeyValue:

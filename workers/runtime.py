@@ -41,7 +41,7 @@ from bus.metrics import CACHE_HIT_RATE, ENGINE_RUNNING, ENGINE_WAITING, KV_EVENT
 from bus.publish import TaskPublisher
 from bus.registry import Registration, live_workers
 from bus.settings import BusSettings, NatsSettings
-from bus.streams import declare_all, ensure_registry_bucket
+from bus.streams import declare_all, declare_all_when_ready, ensure_registry_bucket
 from bus.subjects import Names
 from schemas.codec import WIRE_VERSION
 from schemas.registry import BootstrapEndpoint, KvCapacity, ServingMode, Stage, WorkerCard
@@ -167,7 +167,7 @@ class WorkerRuntime:
                            on_reconnected=self._on_reconnected)
         js = nc.jetstream()
         self._js, self._max_payload = js, nc.max_payload
-        bucket = await declare_all(js, self._names, self._bus, nc.max_payload)
+        bucket = await declare_all_when_ready(js, self._names, self._bus, nc.max_payload)
         cancels = CancelRegistry(nc, js, self._names, self._bus.cancel_ttl_s)
         await cancels.start()
         if self.options.handle_signals:
