@@ -14,6 +14,7 @@ from nats.js import JetStreamContext
 
 from bus.cancel import scope_of, send_cancel
 from bus.connection import connect
+from bus.errors import RequestIdInUse
 from bus.publish import TaskPublisher
 from bus.registry import live_workers
 from bus.replies import ReplyStream
@@ -50,10 +51,14 @@ class PipelineClient:
         )
         await stream.__aenter__()
         try:
-            await self._publisher.publish(Stage.PROCESSOR, request, request.request_id, TraceContext.new())
+            published = await self._publisher.publish(Stage.PROCESSOR, request, request.request_id, TraceContext.new())
         except BaseException:
             await stream.close()
             raise
+        if not published:
+            await stream.close()
+            raise RequestIdInUse(f"request id {request.request_id!r} was used within the dedupe window "
+                                 f"({self._settings.dedupe_window_s:.0f} s); give each request a fresh id")
         return stream
 
     async def cancel(self, request_id: str, reason: str = "cancelled by client") -> None:

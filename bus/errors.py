@@ -39,6 +39,10 @@ class QueueFull(RejectRequest):
                          retryable=True)
 
 
+class RequestIdInUse(ValueError):
+    """JetStream dropped a submitted request as a duplicate: its id was used within the dedupe window."""
+
+
 class RemoteError(Exception):
     """The pipeline answered a request with an error frame."""
 

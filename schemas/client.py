@@ -94,7 +94,8 @@ class GenerationRequest(WireModel):
     repetition_penalty: RepetitionPenalty = None
     seed: int | None = None
     n: NumCompletions = 1
-    stop: str | list[str] | None = None
+    # At most as many as the engines take (StopConditions).
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False

@@ -14,6 +14,7 @@ queue, decode → reply inbox) is the added latency per hop.
 
     .venv/bin/python scripts/bench_pipeline.py
     .venv/bin/python scripts/bench_pipeline.py --concurrency 1 16 64 --tokens 64 --inter-token-ms 10
+    .venv/bin/python scripts/bench_pipeline.py --journal-cost      # migration's reply journal on vs off
 """
 
 from __future__ import annotations
@@ -96,12 +97,49 @@ async def measure(concurrency: int, tokens: int, stream_once) -> RunResult:  # t
     return summarize(list(timings), time.perf_counter() - started)
 
 
-def spawn_workers(url: str, namespace: str, env_mock: dict[str, str]) -> list[subprocess.Popen[bytes]]:
+def spawn_workers(url: str, namespace: str, env_mock: dict[str, str],
+                  decode_args: tuple[str, ...] = ()) -> list[subprocess.Popen[bytes]]:
     env = {**os.environ, **env_mock, "CONVEYOR_NATS_URLS": url, "CONVEYOR_NAMESPACE": namespace,
            "PYTHONPATH": str(ROOT)}
     return [subprocess.Popen([sys.executable, "-m", "workers.cli", "worker", stage, "--engine", "mock",
-                              "--log-level", "WARNING", "--max-concurrency", "128"], cwd=ROOT, env=env)
+                              "--log-level", "WARNING", "--max-concurrency", "128",
+                              *(decode_args if stage == "decode" else ())], cwd=ROOT, env=env)
             for stage in ("processor", "decode")]
+
+
+async def journal_cost(levels: list[int], tokens: int, inter_token_ms: float, rounds: int) -> None:
+    """The reply journal (migration) on and off, side by side: two pipelines on one server, rounds
+    alternating between them."""
+    env_mock = {"CONVEYOR_MOCK_INTER_TOKEN_S": str(inter_token_ms / 1000), "CONVEYOR_MOCK_TTFT_BASE_S": "0.005",
+                "CONVEYOR_MOCK_TTFT_PER_PROMPT_TOKEN_S": "0", "CONVEYOR_MOCK_MAX_RUNNING_REQUESTS": "256"}
+    with EmbeddedNatsServer() as server:
+        spaces = {"journal on": f"on{uuid.uuid4().hex[:6]}", "journal off": f"off{uuid.uuid4().hex[:6]}"}
+        workers = (spawn_workers(server.url, spaces["journal on"], env_mock)
+                   + spawn_workers(server.url, spaces["journal off"], env_mock, ("--migration-limit", "0")))
+        try:
+            async with open_client(NatsSettings(urls=[server.url]), BusSettings(namespace=spaces["journal on"]), "on") as on, \
+                    open_client(NatsSettings(urls=[server.url]), BusSettings(namespace=spaces["journal off"]), "off") as off:
+                clients = {"journal on": on, "journal off": off}
+                for client in clients.values():
+                    await wait_ready(client)
+                    await measure(4, 8, lambda n, c=client: pipeline_stream(c, n))  # warm-up
+                print(f"reply journal on vs off: mock engine, inter-token {inter_token_ms:g} ms, {tokens} tokens per "
+                      f"stream; medians of {rounds} alternating rounds\n")
+                print(f"{'streams':>7} | {'TTFT ms on/off':>15} | {'ITL ms on/off':>14} | {'tok/s on/off':>14} | ratios on÷off")
+                for level in levels:
+                    runs: dict[str, list[RunResult]] = {name: [] for name in clients}
+                    for _ in range(rounds):
+                        for name, client in clients.items():
+                            runs[name].append(await measure(level, tokens, lambda n, c=client: pipeline_stream(c, n)))
+                    j, n = _median_run(runs["journal on"]), _median_run(runs["journal off"])
+                    print(f"{level:>7} | {j.ttft_ms:>6.1f} / {n.ttft_ms:>6.1f} | {j.itl_ms:>5.2f} / {n.itl_ms:>6.2f} | "
+                          f"{j.tokens_per_s:>6.0f} / {n.tokens_per_s:>5.0f} | TTFT {j.ttft_ms / n.ttft_ms:.2f}×, "
+                          f"ITL {j.itl_ms / n.itl_ms:.2f}×, tok/s {j.tokens_per_s / n.tokens_per_s:.2f}×")
+        finally:
+            for worker in workers:
+                worker.send_signal(signal.SIGTERM)
+            for worker in workers:
+                worker.wait(timeout=30)
 
 
 async def wait_ready(client) -> None:  # type: ignore[no-untyped-def]
@@ -159,5 +197,8 @@ if __name__ == "__main__":
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--inter-token-ms", type=float, default=10.0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--journal-cost", action="store_true",
+                        help="instead: the reply journal (migration) on vs off, side by side")
     args = parser.parse_args()
-    asyncio.run(main(args.concurrency, args.tokens, args.inter_token_ms, args.rounds))
+    run = journal_cost if args.journal_cost else main
+    asyncio.run(run(args.concurrency, args.tokens, args.inter_token_ms, args.rounds))

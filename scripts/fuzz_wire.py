@@ -26,9 +26,9 @@ from bus.settings import BusSettings, NatsSettings
 from bus.streams import declare_all
 from bus.subjects import Names
 from schemas.registry import ServingMode, Stage
-from tests.wire_fuzz import fuzz_processor, payloads
+from tests.wire_fuzz import fuzz_processor, fuzzing_processor, payloads
 from workers.runtime import WorkerOptions, WorkerRuntime
-from tests.pipeline_helpers import MOCK, mock_decode, mock_processor
+from tests.pipeline_helpers import MOCK, mock_decode
 
 
 async def main(args: argparse.Namespace) -> int:
@@ -42,14 +42,17 @@ async def main(args: argparse.Namespace) -> int:
         names = Names(bus.namespace)
         await declare_all(js, names, bus, nc.max_payload)
         runtimes = []
-        for stage, built in [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, mock_decode(inter_token_s=0.0))]:
+        for stage, built in [(Stage.PROCESSOR, fuzzing_processor()), (Stage.DECODE, mock_decode(inter_token_s=0.0))]:
             options = WorkerOptions(stage=stage, model=MOCK, mode=ServingMode.AGGREGATED, engine_name="mock",
                                     http_host="127.0.0.1", max_concurrency=64, handle_signals=False)
             runtime = WorkerRuntime(built, options, nats, bus)
             runtimes.append((runtime, asyncio.create_task(runtime.run())))
             await runtime.started.wait()
         print(f"[fuzz] publishing {args.count} mutated requests (seed {args.seed})", file=sys.stderr, flush=True)
-        report = await fuzz_processor(nc, js, names, args.count, MOCK, seed=args.seed, settle_timeout_s=args.settle_s)
+        report = await fuzz_processor(
+            nc, js, names, args.count, MOCK, seed=args.seed, settle_timeout_s=args.settle_s,
+            progress=lambda r: print(f"[fuzz] {r.sent} sent, {len(r.answered)} answered, {len(r.dead_lettered)} "
+                                     f"terminated", file=sys.stderr, flush=True))
         died = [runtime.options.stage.value for runtime, task in runtimes if task.done()]
         for runtime, _ in runtimes:
             runtime.request_stop()

@@ -10,15 +10,15 @@ import pytest
 
 from schemas.registry import Stage
 from tests.conftest import Bus, bus_settings
-from tests.pipeline_helpers import MOCK, chat, client_of, mock_decode, mock_processor, running_workers
-from tests.wire_fuzz import fuzz_processor
+from tests.pipeline_helpers import MOCK, chat, client_of, mock_decode, running_workers
+from tests.wire_fuzz import fuzz_processor, fuzzing_processor
 
 COUNT = int(os.environ.get("CONVEYOR_FUZZ_COUNT", "3000"))
 
 
 @pytest.mark.parametrize("settings", [bus_settings(max_deliver=2, retry_base_s=0.05, retry_max_s=0.1)])
 async def test_mutated_requests_are_each_answered_or_terminated_and_no_worker_dies(bus: Bus) -> None:
-    async with running_workers(bus, [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, mock_decode(inter_token_s=0.0))],
+    async with running_workers(bus, [(Stage.PROCESSOR, fuzzing_processor()), (Stage.DECODE, mock_decode(inter_token_s=0.0))],
                                max_concurrency=64) as workers:
         report = await fuzz_processor(bus.nc, bus.js, bus.names, COUNT, MOCK, settle_timeout_s=120)
         assert not any(worker.task.done() for worker in workers), "a worker stopped"

@@ -14,7 +14,7 @@ import msgpack
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from bus.errors import RemoteError
+from bus.errors import RemoteError, RequestIdInUse
 from bus.registry import live_workers, ready_models
 from schemas.client import ChatMessage, ImagePart, MediaUrl, StreamFormat
 from schemas.codec import decode
@@ -79,6 +79,22 @@ async def test_every_bad_input_gets_its_error_frame_and_the_pipeline_keeps_servi
         assert too_long.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED and "8192" in too_long.frame.message
         outside = await expect_error(bus, completion(client, [5, 32000]))
         assert outside.code == ErrorCode.INVALID_REQUEST and "outside the vocabulary" in outside.frame.message
+        # A request id in use: refused when submitted, and told (not dropped) when published raw without a Msg-Id.
+        first = chat(client, "first", max_tokens=2)
+        async with await client.submit(first) as first_stream:
+            await first_stream.collect()
+        with pytest.raises(RequestIdInUse):
+            await client.submit(first)
+        reuse = first.model_dump(mode="python", exclude_none=True)
+        reuse_stream = await open_stream(bus, first.request_id)
+        reuse["reply_to"] = reuse_stream.inbox
+        await bus.js.publish(bus.names.work_subject(Stage.PROCESSOR), msgpack.packb(reuse))
+        with pytest.raises(RemoteError) as reused:
+            await reuse_stream.collect()
+        assert reused.value.code == ErrorCode.INVALID_REQUEST and "in use" in reused.value.frame.message
+        # Fields valid one by one that do not fit together: refused at once, not retried.
+        clash = await expect_error(bus, chat(client, "hi", max_tokens=2, min_tokens=5))
+        assert clash.code == ErrorCode.INVALID_REQUEST and "min_tokens" in clash.frame.message
         image = chat(client, "x").model_copy(update={"messages": [
             ChatMessage(role="user", content=[ImagePart(image_url=MediaUrl(url="http://x/cat.png"))])]})
         assert (await expect_error(bus, image)).code == ErrorCode.UNSUPPORTED

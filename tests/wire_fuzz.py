@@ -16,8 +16,8 @@ import asyncio
 import copy
 import random
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgpack
@@ -31,6 +31,9 @@ from bus.subjects import Names
 from schemas.client import Inbox
 from schemas.codec import unpack
 from schemas.registry import Stage
+from workers.engines.factory import EngineKind
+from workers.processor import ProcessorStage
+from workers.stages import served_model
 
 
 _INBOX: TypeAdapter[str] = TypeAdapter(Inbox)
@@ -165,6 +168,13 @@ def _traceable(data: bytes, valid: dict[str, Any]) -> bool:
     return False
 
 
+def fuzzing_processor(model: str = "mock") -> ProcessorStage:
+    """A mock-model processor with a short context: a mutation that asks for millions of tokens gets at
+    most a couple of hundred, so a run of 10^5 payloads is spent on parsing, not on generating."""
+    served = replace(served_model(EngineKind.MOCK, model), context_length=256)
+    return ProcessorStage({model: served})
+
+
 @dataclass
 class FuzzReport:
     sent: int = 0
@@ -180,7 +190,8 @@ class FuzzReport:
 
 
 async def fuzz_processor(nc: Client, js: JetStreamContext, names: Names, count: int, model: str,
-                         seed: int = 0, settle_timeout_s: float = 120.0) -> FuzzReport:
+                         seed: int = 0, settle_timeout_s: float = 120.0,
+                         progress: Callable[[FuzzReport], None] | None = None) -> FuzzReport:
     """Publish `count` mutated requests to the processor subject; wait until each is answered (a
     terminal frame on its inbox) or dead-lettered (terminated with a reason)."""
     prefix = f"_INBOX.fuzz{random.Random(seed).getrandbits(32):08x}"
@@ -212,6 +223,8 @@ async def fuzz_processor(nc: Client, js: JetStreamContext, names: Names, count: 
             report.sent += 1
             if traceable:
                 report.traceable.add(index)
+            if progress is not None and report.sent % 10_000 == 0:
+                progress(report)
         deadline = time.monotonic() + settle_timeout_s
         while report.unaccounted and time.monotonic() < deadline:
             await asyncio.sleep(0.2)

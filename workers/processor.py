@@ -13,7 +13,8 @@ LLM worker that encodes in-process (EPD).
 Emits to the client only errors; the stage that finishes the request streams the reply.
 
 Fails how (each an error frame to the inbox, then ack; the processor goes on serving):
-unknown model → `unknown_model`; token ids outside the vocabulary → `invalid_request`; empty input, or images for a text-only pipeline → `invalid_request`
+unknown model → `unknown_model`; token ids outside the vocabulary, or a request id another request
+used within the dedupe window → `invalid_request`; empty input, or images for a text-only pipeline → `invalid_request`
 / `unsupported` (video: `unsupported`); a full next queue → `overloaded` (retryable); prompt not shorter than the context → `context_length_exceeded`; no live worker for
 a stage the model's mode needs, nor one seen in the last three registry TTLs → `unknown_model` naming the
 missing stage. Out-of-range sampling
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
+from pydantic import ValidationError
 
 from bus.consumer import Delivery
 from bus.errors import RejectRequest
@@ -43,6 +45,7 @@ from schemas.client import (
     TextPart,
     VideoPart,
 )
+from schemas.base import WireModel
 from schemas.registry import ServingMode, Stage, WorkerCard
 from schemas.replies import ErrorCode
 from schemas.sampling import GuidedDecoding, OutputOptions, SamplingOptions, StopConditions
@@ -131,7 +134,13 @@ class ProcessorStage:
                                 created_at_s: float, delivery: Delivery) -> None:
         assert self._context is not None
         token_ids, media = self._tokenize(request, model)
-        preprocessed = preprocess(request, token_ids, model).model_copy(update={"media": media})
+        try:
+            preprocessed = preprocess(request, token_ids, model).model_copy(update={"media": media})
+        except ValidationError as error:
+            # Fields valid one by one that do not fit together (min_tokens above max_tokens, ...).
+            raise RejectRequest(ErrorCode.INVALID_REQUEST, "; ".join(
+                f"{'.'.join(str(part) for part in detail['loc']) or 'request'}: {detail['msg']}"
+                for detail in error.errors()[:5])) from error
         header = TaskHeader(request_id=request.request_id, reply_to=request.reply_to,
                             stream_format=request.stream_format, created_at_s=created_at_s)
         if media:
@@ -143,7 +152,7 @@ class ProcessorStage:
             task, stage = PrefillTask(header=header, request=preprocessed), Stage.PREFILL
         else:
             task, stage = DecodeTask(header=header, request=preprocessed), Stage.DECODE
-        await self._context.publisher.publish(stage, task, request.request_id, delivery.trace, model=model.name)
+        await self._forward(stage, task, request.request_id, delivery, model.name)
         log.info("processor.routed", to=stage.value, prompt_tokens=len(token_ids), mode=mode.value)
 
     async def _route_multimodal(self, header: TaskHeader, request: PreprocessedRequest, model: ServedModel,
@@ -172,7 +181,7 @@ class ProcessorStage:
             raise RejectRequest(ErrorCode.UNSUPPORTED,
                                 f"no worker serving {model.name!r} takes images: start an encode worker "
                                 f"(`conveyor worker encode --model {model.name}`) or a multimodal LLM worker")
-        await self._context.publisher.publish(stage, task, header.request_id, delivery.trace, model=model.name)
+        await self._forward(stage, task, header.request_id, delivery, model.name)
         log.info("processor.routed", to=stage.value, images=len(request.media), prompt_tokens=len(request.token_ids))
 
     async def _route_embedding(self, request: EmbeddingRequest, model: ServedModel, created_at_s: float,
@@ -195,7 +204,18 @@ class ProcessorStage:
         header = TaskHeader(request_id=request.request_id, reply_to=request.reply_to, created_at_s=created_at_s)
         task = EmbedTask(header=header, model=model.name, inputs=token_lists, encoding_format=request.encoding_format,
                          dimensions=request.dimensions)
-        await self._context.publisher.publish(Stage.EMBED, task, request.request_id, delivery.trace, model=model.name)
+        await self._forward(Stage.EMBED, task, request.request_id, delivery, model.name)
+
+    async def _forward(self, stage: Stage, task: WireModel, request_id: str, delivery: Delivery, model: str) -> None:
+        """Publish the next stage's task. JetStream drops a task whose request id it saw within the dedupe
+        window: expected when this task was redelivered (it went out before), but on a first delivery it
+        means another request used the id, and that request would be dropped without a word."""
+        assert self._context is not None
+        published = await self._context.publisher.publish(stage, task, request_id, delivery.trace, model=model)
+        if not published and delivery.num_delivered == 1:
+            raise RejectRequest(ErrorCode.INVALID_REQUEST,
+                                f"request id {request_id!r} is in use by another request (within the last "
+                                f"{self._context.settings.dedupe_window_s:.0f} s); give each request a fresh id")
 
     def _tokenize(self, request: ChatRequest | CompletionRequest,
                   model: ServedModel) -> tuple[list[int], list[MediaItem]]:
