@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from bus.client import PipelineClient
-from bus.registry import live_workers
+from bus.errors import RemoteError, ReplyStreamBroken
+from bus.registry import live_workers, ready_models
 from schemas.client import ChatMessage, ChatRequest, CompletionRequest, StreamFormat
 from schemas.registry import ServingMode, Stage
+from schemas.replies import FinalFrame
+from tests.conftest import Bus
 from workers.decode import DecodeStage
 from workers.engines.factory import EngineKind
 from workers.engines.mock import MockEngine, MockEngineConfig
@@ -19,7 +27,6 @@ from workers.engines.protocol import GenerateOutput, GenerateRequest
 from workers.processor import ProcessorStage
 from workers.runtime import PipelineStage, WorkerOptions, WorkerRuntime
 from workers.stages import served_model
-from tests.conftest import Bus
 
 MOCK = "mock"
 
@@ -102,3 +109,71 @@ def chat(client: PipelineClient, text: str, model: str = MOCK, **fields: object)
 def completion(client: PipelineClient, prompt: str | list[int], model: str = MOCK, **fields: object) -> CompletionRequest:
     return CompletionRequest(request_id=f"req-{uuid.uuid4().hex[:12]}", reply_to=client.new_inbox(), model=model,
                              prompt=prompt, **fields)  # type: ignore[arg-type]
+
+
+async def ask_to_the_end(client: PipelineClient, max_tokens: int, timeout_s: float = 20.0) -> FinalFrame:
+    """A fresh chat request read to its final frame."""
+    request = chat(client, f"hello {uuid.uuid4().hex[:6]}", max_tokens=max_tokens)
+    async with await client.submit(request, first_frame_timeout_s=timeout_s) as stream:
+        async for _ in stream:
+            pass
+    assert isinstance(stream.terminal, FinalFrame)
+    return stream.terminal
+
+
+async def seconds_until_served(client: PipelineClient, since_s: float, limit_s: float = 30.0) -> float:
+    """After a fault at monotonic `since_s`: how long until a new request is served (asking again until one is)."""
+    while True:
+        try:
+            await ask_to_the_end(client, max_tokens=3, timeout_s=5)
+            return time.monotonic() - since_s
+        except (RemoteError, ReplyStreamBroken, TimeoutError, ConnectionError):
+            assert time.monotonic() - since_s < limit_s, f"no request served {limit_s:.0f} s after the fault"
+            await asyncio.sleep(0.5)
+
+
+def assert_all_whole(outcomes: list[object], completion_tokens: int) -> None:
+    """Every stream that was in flight during a fault finished with all its tokens."""
+    for outcome in outcomes:
+        assert isinstance(outcome, FinalFrame) and outcome.usage.completion_tokens == completion_tokens, outcome
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@asynccontextmanager
+async def worker_processes(urls: list[str], namespace: str, stages: list[str],
+                           **env: str) -> AsyncIterator[list[subprocess.Popen[bytes]]]:
+    """Mock-engine workers as processes (`conveyor worker STAGE`), stopped (SIGTERM, then SIGKILL) on exit.
+    `env`: more CONVEYOR_* settings, e.g. CONVEYOR_STREAM_REPLICAS="3"."""
+    environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CONVEYOR_NAMESPACE": namespace,
+                   "CONVEYOR_NATS_URLS": ",".join(urls), "CONVEYOR_REGISTRY_TTL_S": "3",
+                   "CONVEYOR_MOCK_INTER_TOKEN_S": "0.01", **env}
+    workers = [subprocess.Popen([sys.executable, "-m", "workers.cli", "worker", stage, "--engine", "mock",
+                                 "--log-level", "WARNING", "--shutdown-grace-s", "1"], cwd=REPO_ROOT, env=environment)
+               for stage in stages]
+    try:
+        yield workers
+    finally:
+        for worker in workers:
+            worker.terminate()
+        for worker in workers:
+            try:
+                worker.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
+
+
+async def wait_for_workers(client: PipelineClient, num_workers: int, timeout_s: float) -> None:
+    """Until the mock model is ready and `num_workers` cards are live (JetStream may still be recovering)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            cards = [card for card in await client.live_workers() if card.ready]
+            if MOCK in ready_models(cards) and len(cards) >= num_workers:
+                return
+        except Exception:  # the server is coming back, or a cluster is electing its leaders
+            pass
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"pipeline not ready within {timeout_s} s")

@@ -54,15 +54,22 @@ def as_user(server: EmbeddedNatsServer, user: str) -> NatsSettings:
                         tls_ca_file=Path(server.config_file.parent / "ca.pem"))  # type: ignore[union-attr]
 
 
-async def test_secured_pipeline_serves_a_request_and_enforces_each_roles_rights(secured_server: EmbeddedNatsServer) -> None:
-    bus = BusSettings(namespace="conveyor", work_max_bytes=8 << 20, heartbeat_interval_s=0.2)
+async def start_role_workers(server: EmbeddedNatsServer, bus: BusSettings,
+                             inter_token_s: float) -> list[tuple[WorkerRuntime, asyncio.Task[None]]]:
+    """A processor and a mock decode worker, each connected as its own role's user."""
     runtimes = []
-    for stage, built in ((Stage.PROCESSOR, mock_processor()), (Stage.DECODE, mock_decode(inter_token_s=0.001))):
+    for stage, built in ((Stage.PROCESSOR, mock_processor()), (Stage.DECODE, mock_decode(inter_token_s=inter_token_s))):
         options = WorkerOptions(stage=stage, model=MOCK, mode=ServingMode.AGGREGATED, engine_name="mock",
                                 http_host="127.0.0.1", handle_signals=False, canary_interval_s=3600)
-        runtime = WorkerRuntime(built, options, as_user(secured_server, stage.value), bus)
+        runtime = WorkerRuntime(built, options, as_user(server, stage.value), bus)
         runtimes.append((runtime, asyncio.create_task(runtime.run())))
         await asyncio.wait_for(runtime.started.wait(), timeout=30)
+    return runtimes
+
+
+async def test_secured_pipeline_serves_a_request_and_enforces_each_roles_rights(secured_server: EmbeddedNatsServer) -> None:
+    bus = BusSettings(namespace="conveyor", work_max_bytes=8 << 20, heartbeat_interval_s=0.2)
+    runtimes = await start_role_workers(secured_server, bus, inter_token_s=0.001)
     try:
         async with open_client(as_user(secured_server, "alice"), bus, "alice") as client:
             request = chat(client, "hello over TLS", max_tokens=3)
@@ -119,13 +126,7 @@ async def test_no_client_cancels_anothers_request_reads_the_bus_or_forges_a_card
     from schemas.replies import FinishReason
 
     bus = BusSettings(namespace="conveyor", work_max_bytes=8 << 20, heartbeat_interval_s=0.2)
-    runtimes = []
-    for stage, built in ((Stage.PROCESSOR, mock_processor()), (Stage.DECODE, mock_decode(inter_token_s=0.01))):
-        options = WorkerOptions(stage=stage, model=MOCK, mode=ServingMode.AGGREGATED, engine_name="mock",
-                                http_host="127.0.0.1", handle_signals=False, canary_interval_s=3600)
-        runtime = WorkerRuntime(built, options, as_user(secured_server, stage.value), bus)
-        runtimes.append((runtime, asyncio.create_task(runtime.run())))
-        await asyncio.wait_for(runtime.started.wait(), timeout=30)
+    runtimes = await start_role_workers(secured_server, bus, inter_token_s=0.01)
     violations: list[str] = []
     try:
         async with open_client(as_user(secured_server, "bob"), bus, "bob") as bob, \

@@ -23,6 +23,7 @@ values never reach here: the consumer answers them with `invalid_request` from t
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass
@@ -95,6 +96,7 @@ class ProcessorStage:
         # When each (model, stage) was last seen with a ready worker.
         self._last_ready_s: dict[tuple[str, Stage], float] = {}
         self._ready_grace_s = 30.0
+        self._watcher: asyncio.Task[None] | None = None
 
     @property
     def engine(self) -> None:
@@ -107,9 +109,22 @@ class ProcessorStage:
     async def start(self, context: StageContext) -> None:
         self._context = context
         self._ready_grace_s = 3 * context.settings.registry_ttl_s
+        self._watcher = asyncio.create_task(self._watch_registry(context.settings.registry_ttl_s / 2))
 
     async def stop(self) -> None:
-        return None
+        if self._watcher is not None:
+            self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)
+
+    async def _watch_registry(self, interval_s: float) -> None:
+        """Keep the view of ready stages fresh between requests, so a replica that has routed nothing yet
+        still knows which stages were ready just before a registry outage."""
+        while True:
+            try:
+                await self._live_cards()
+            except Exception as error:  # the registry is recovering; the next look will do
+                log.debug("processor.registry_unreadable", error=repr(error))
+            await asyncio.sleep(interval_s)
 
     async def canary(self) -> None:
         for model in self._models.values():
@@ -161,6 +176,9 @@ class ProcessorStage:
         else an LLM worker that encodes in-process (EPD) gets the images with its task."""
         assert self._context is not None
         cards = [card for card in await self._live_cards() if card.model == model.name and card.ready]
+        if not any(card.stage == Stage.ENCODE or card.accepts_media for card in cards):
+            self._cards_at_s = 0.0  # refuse on a fresh view only
+            cards = [card for card in await self._live_cards() if card.model == model.name and card.ready]
         stages = {card.stage for card in cards}
         next_stage = Stage.PREFILL if Stage.PREFILL in stages else Stage.DECODE
         task: EncodeTask | DecodeTask | PrefillTask
@@ -281,16 +299,11 @@ class ProcessorStage:
         return mode
 
     async def _require_stages(self, model: str, mode: ServingMode) -> None:
-        ready = {card.stage for card in await self._live_cards() if card.model == model and card.ready}
-        now_s = time.monotonic()
-        for stage in ready:
-            self._last_ready_s[(model, stage)] = now_s
-        # A stage seen ready moments ago is taken as still there: its cards may have expired while
-        # JetStream recovered (a restart, a cluster electing leaders) or its worker is restarting.
-        # The task waits in its queue meanwhile, rather than the request being refused.
-        recent = {stage for (name, stage), seen_s in self._last_ready_s.items()
-                  if name == model and now_s - seen_s < self._ready_grace_s}
-        missing = (REQUIRED_STAGES[mode] - {Stage.PROCESSOR}) - ready - recent
+        missing = await self._missing_stages(model, mode)
+        if missing and time.monotonic() - self._cards_at_s > 0.05:
+            # Refuse on a fresh view only: the cached one may predate a worker that just registered.
+            self._cards_at_s = 0.0
+            missing = await self._missing_stages(model, mode)
         if missing:
             raise RejectRequest(
                 ErrorCode.UNKNOWN_MODEL,
@@ -298,11 +311,24 @@ class ProcessorStage:
                 f"({mode.value} mode); start one with `conveyor worker {sorted(missing)[0].value} --model {model}`",
             )
 
+    async def _missing_stages(self, model: str, mode: ServingMode) -> set[Stage]:
+        ready = {card.stage for card in await self._live_cards() if card.model == model and card.ready}
+        now_s = time.monotonic()
+        # A stage seen ready moments ago is taken as still there: its cards may have expired while
+        # JetStream recovered (a restart, a cluster electing leaders) or its worker is restarting.
+        # The task waits in its queue meanwhile, rather than the request being refused.
+        recent = {stage for (name, stage), seen_s in self._last_ready_s.items()
+                  if name == model and now_s - seen_s < self._ready_grace_s}
+        return (REQUIRED_STAGES[mode] - {Stage.PROCESSOR}) - ready - recent
+
     async def _live_cards(self) -> list[WorkerCard]:
         assert self._context is not None
         if time.monotonic() - self._cards_at_s > _REGISTRY_REFRESH_S:
             self._cards = await self._context.list_workers()
             self._cards_at_s = time.monotonic()
+            for card in self._cards:
+                if card.ready:
+                    self._last_ready_s[(card.model, card.stage)] = self._cards_at_s
         return self._cards
 
 
