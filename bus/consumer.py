@@ -382,10 +382,10 @@ class WorkConsumer(Generic[TaskT]):
         the journal until it ends or goes quiet. Naking instead would spend deliveries (max_deliver)."""
         # A live holder journals at least one frame per heartbeat interval (heartbeats included).
         fresh_s = 2 * self._settings.heartbeat_interval_s + 0.5
-        if progress.streamed and not progress.released and not progress.finished and progress.age_s < fresh_s:
+        if progress.being_written(fresh_s):
             MIGRATIONS.labels(stage=self.stage.value, outcome="holder_alive").inc()
             log.warning("task.holder_alive", journal_age_s=round(progress.age_s, 3))
-        while progress.streamed and not progress.released and not progress.finished and progress.age_s < fresh_s:
+        while progress.being_written(fresh_s):
             await msg.in_progress()
             await asyncio.sleep(fresh_s - progress.age_s)
             progress = await read_progress(self._js, self._names, request_id)

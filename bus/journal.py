@@ -60,6 +60,11 @@ class Progress:
     def streamed(self) -> bool:
         return self.next_seq > 0
 
+    def being_written(self, fresh_s: float) -> bool:
+        """Whether a live holder may still be writing it: streaming, not ended nor handed back, and
+        written to within `fresh_s`."""
+        return self.streamed and not self.released and not self.finished and self.age_s < fresh_s
+
 
 class ReplyJournal:
     """Records one request's frames; used by its `ReplySender`, under the sender's lock."""
@@ -73,7 +78,8 @@ class ReplyJournal:
         resumed = resumed or Progress()
         self._token_ids = list(resumed.token_ids)
         self._text_pieces = [resumed.text] if resumed.text else []
-        self._migrations = resumed.migrations
+        self._last_frame = resumed.last_frame
+        self.migrations = resumed.migrations
         self._since_snapshot = 0
 
     async def record(self, payload: bytes, next_seq: int, token_ids: list[int] | None = None,
@@ -83,27 +89,30 @@ class ReplyJournal:
             self._token_ids.extend(token_ids)
         if text:
             self._text_pieces.append(text)
+        self._last_frame = payload
         self._since_snapshot += 1
         if self._since_snapshot >= self._snapshot_every:
-            await self.snapshot(next_seq, payload)
+            await self.snapshot(next_seq)
         else:
             await self._nc.publish(self.subject, payload)
 
-    async def snapshot(self, next_seq: int, last_frame: bytes | None, released: bool = False) -> None:
+    async def snapshot(self, next_seq: int, released: bool = False) -> None:
         """Everything so far in one record, replacing the subject's older ones."""
         self._since_snapshot = 0
         text = "".join(self._text_pieces)
         self._text_pieces = [text] if text else []
-        record = ProgressSnapshot(request_id=self._request_id, next_seq=next_seq, token_ids=self._token_ids,
-                                  text=text, last_frame=last_frame, migrations=self._migrations, released=released)
+        record = ProgressSnapshot(request_id=self._request_id, next_seq=next_seq, token_ids=self._token_ids, text=text,
+                                  last_frame=self._last_frame, migrations=self.migrations, released=released)
         await self._nc.publish(self.subject, encode(record), headers=ROLLUP_HEADERS)
 
     async def end(self, terminal_payload: bytes) -> None:
         """The terminal frame: the journal now says only that the request is over."""
         await self._nc.publish(self.subject, terminal_payload, headers=ROLLUP_HEADERS)
 
-    def taken_over(self) -> None:
-        self._migrations += 1
+    async def take_over(self, next_seq: int) -> None:
+        """Record the takeover first, so a replica after this one counts it."""
+        self.migrations += 1
+        await self.snapshot(next_seq)
 
 
 async def read_progress(js: JetStreamContext, names: Names, request_id: str) -> Progress:

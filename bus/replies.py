@@ -88,9 +88,6 @@ class ReplySender:
     ) -> None:
         self._nc = nc
         self._journal = journal
-        self._last_payload: bytes | None = None
-        # Times this request moved to another replica before this sender (told in the final frame).
-        self.migrations = 0
         self.reply_to = reply_to
         self.request_id = request_id
         self._coalesce_window_s = coalesce_window_s
@@ -127,19 +124,20 @@ class ReplySender:
     def journaled(self) -> bool:
         return self._journal is not None
 
+    @property
+    def migrations(self) -> int:
+        """Times this request moved to another replica mid-stream (told in the final frame)."""
+        return self._journal.migrations if self._journal is not None else 0
+
     async def resume(self, progress: Progress) -> None:
         """Take the stream over where a dead replica left it: go on with its numbering, and send its
         last frame again (the client drops it if it already has it)."""
         assert self._journal is not None and self._seq == 0
         self._seq = progress.next_seq
-        self.migrations = progress.migrations + 1
-        self._journal.taken_over()
         async with self._lock:
-            # The takeover itself is recorded first, so a replica after this one counts it.
-            await self._journal.snapshot(self._seq, progress.last_frame)
+            await self._journal.take_over(self._seq)
             if progress.last_frame is not None:
                 await self._nc.publish(self.reply_to, progress.last_frame)
-            self._last_payload = progress.last_frame
 
     async def release(self) -> None:
         """This worker is stopping with the request unfinished: tell the journal the next replica may
@@ -148,7 +146,7 @@ class ReplySender:
             return
         await self._flush()
         async with self._lock:
-            await self._journal.snapshot(self._seq, self._last_payload, released=True)
+            await self._journal.snapshot(self._seq, released=True)
 
     async def close_background(self) -> None:
         """Stop heartbeats and drop nothing: pending coalesced tokens are flushed first."""
@@ -307,7 +305,6 @@ class ReplySender:
             if self._journal is not None:
                 await self._record(frame_type, payload, fields)
             await self._nc.publish(self.reply_to, payload)
-            self._last_payload = payload
             self._unconfirmed.append((self._seq - 1, payload))
             if not self._nc.is_connected:
                 self.sent_while_away = True

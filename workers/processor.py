@@ -59,6 +59,9 @@ log = structlog.get_logger(__name__)
 MAX_EMBEDDING_INPUTS = 2048
 # How long the routing view of the registry may be stale.
 _REGISTRY_REFRESH_S = 1.0
+# A request is refused for want of a worker only on a view this fresh: the cached one may predate a
+# worker that just registered.
+_FRESH_VIEW_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,8 +180,8 @@ class ProcessorStage:
         assert self._context is not None
         cards = [card for card in await self._live_cards() if card.model == model.name and card.ready]
         if not any(card.stage == Stage.ENCODE or card.accepts_media for card in cards):
-            self._cards_at_s = 0.0  # refuse on a fresh view only
-            cards = [card for card in await self._live_cards() if card.model == model.name and card.ready]
+            cards = [card for card in await self._live_cards(max_age_s=_FRESH_VIEW_S)
+                     if card.model == model.name and card.ready]
         stages = {card.stage for card in cards}
         next_stage = Stage.PREFILL if Stage.PREFILL in stages else Stage.DECODE
         task: EncodeTask | DecodeTask | PrefillTask
@@ -299,11 +302,9 @@ class ProcessorStage:
         return mode
 
     async def _require_stages(self, model: str, mode: ServingMode) -> None:
-        missing = await self._missing_stages(model, mode)
-        if missing and time.monotonic() - self._cards_at_s > 0.05:
-            # Refuse on a fresh view only: the cached one may predate a worker that just registered.
-            self._cards_at_s = 0.0
-            missing = await self._missing_stages(model, mode)
+        missing = self._missing_stages(model, mode, await self._live_cards())
+        if missing:
+            missing = self._missing_stages(model, mode, await self._live_cards(max_age_s=_FRESH_VIEW_S))
         if missing:
             raise RejectRequest(
                 ErrorCode.UNKNOWN_MODEL,
@@ -311,8 +312,8 @@ class ProcessorStage:
                 f"({mode.value} mode); start one with `conveyor worker {sorted(missing)[0].value} --model {model}`",
             )
 
-    async def _missing_stages(self, model: str, mode: ServingMode) -> set[Stage]:
-        ready = {card.stage for card in await self._live_cards() if card.model == model and card.ready}
+    def _missing_stages(self, model: str, mode: ServingMode, cards: list[WorkerCard]) -> set[Stage]:
+        ready = {card.stage for card in cards if card.model == model and card.ready}
         now_s = time.monotonic()
         # A stage seen ready moments ago is taken as still there: its cards may have expired while
         # JetStream recovered (a restart, a cluster electing leaders) or its worker is restarting.
@@ -321,9 +322,10 @@ class ProcessorStage:
                   if name == model and now_s - seen_s < self._ready_grace_s}
         return (REQUIRED_STAGES[mode] - {Stage.PROCESSOR}) - ready - recent
 
-    async def _live_cards(self) -> list[WorkerCard]:
+    async def _live_cards(self, max_age_s: float = _REGISTRY_REFRESH_S) -> list[WorkerCard]:
+        """The registry's cards, read again when the cached view is older than `max_age_s`."""
         assert self._context is not None
-        if time.monotonic() - self._cards_at_s > _REGISTRY_REFRESH_S:
+        if time.monotonic() - self._cards_at_s > max_age_s:
             self._cards = await self._context.list_workers()
             self._cards_at_s = time.monotonic()
             for card in self._cards:
