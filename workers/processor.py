@@ -122,9 +122,12 @@ class ProcessorStage:
     async def _watch_registry(self, interval_s: float) -> None:
         """Keep the view of ready stages fresh between requests, so a replica that has routed nothing yet
         still knows which stages were ready just before a registry outage."""
+        assert self._context is not None
         while True:
             try:
-                await self._live_cards()
+                # Only remembered, not cached for routing: a request must not be routed on a view
+                # older than its own arrival needs (a worker that registered since).
+                self._remember_ready(await self._context.list_workers())
             except Exception as error:  # the registry is recovering; the next look will do
                 log.debug("processor.registry_unreadable", error=repr(error))
             await asyncio.sleep(interval_s)
@@ -328,10 +331,14 @@ class ProcessorStage:
         if time.monotonic() - self._cards_at_s > max_age_s:
             self._cards = await self._context.list_workers()
             self._cards_at_s = time.monotonic()
-            for card in self._cards:
-                if card.ready:
-                    self._last_ready_s[(card.model, card.stage)] = self._cards_at_s
+            self._remember_ready(self._cards)
         return self._cards
+
+    def _remember_ready(self, cards: list[WorkerCard]) -> None:
+        now_s = time.monotonic()
+        for card in cards:
+            if card.ready:
+                self._last_ready_s[(card.model, card.stage)] = now_s
 
 
 def preprocess(request: GenerationRequest, token_ids: list[int], model: ServedModel) -> PreprocessedRequest:
