@@ -160,11 +160,11 @@ class Gateway:
             return OpenAIError.of_rejection(rejection).response()
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "ready_models": sorted(await self._ready_models())})
+        return web.json_response({"status": "ok", "ready_models": sorted(await self._ready_models(max_age_s=0.0))})
 
     async def models(self, request: web.Request) -> web.Response:
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "conveyor"}
-                for name in sorted(await self._ready_models())]
+                for name in sorted(await self._ready_models(max_age_s=0.0))]
         return web.json_response({"object": "list", "data": data})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -258,14 +258,16 @@ class Gateway:
         await response.write_eof()
         return response
 
-    async def _ready_models(self) -> dict[str, Any]:
-        if time.monotonic() - self._ready_at_s > _MODELS_REFRESH_S:
+    async def _ready_models(self, max_age_s: float = _MODELS_REFRESH_S) -> dict[str, Any]:
+        """Ready models, from a view of the registry at most `max_age_s` old."""
+        if time.monotonic() - self._ready_at_s > max_age_s:
             self._ready = dict(ready_models(await self._client.live_workers()))
             self._ready_at_s = time.monotonic()
         return self._ready
 
     async def _require_model(self, model: str) -> None:
-        if model not in await self._ready_models():
+        # Absent only on a fresh view: the cached one may predate the model's workers getting ready.
+        if model not in await self._ready_models() and model not in await self._ready_models(max_age_s=0.0):
             raise OpenAIError(404, f"The model `{model}` does not exist or no ready workers serve it",
                               "invalid_request_error", "model_not_found")
 
