@@ -409,6 +409,12 @@ class ReplyStream:
         self._ahead: dict[int, ReplyFrame] = {}
         self._gap_deadline = 0.0
         self.terminal: FinalFrame | EmbeddingResult | None = None
+        self._error: ErrorFrame | None = None
+
+    @property
+    def ended(self) -> bool:
+        """The sender is done with this request: a final, result or error frame arrived."""
+        return self.terminal is not None or self._error is not None
 
     async def __aenter__(self) -> ReplyStream:
         if self._subscriptions:
@@ -449,6 +455,7 @@ class ReplyStream:
             if isinstance(frame, TokenChunk):
                 yield frame
             elif isinstance(frame, ErrorFrame):
+                self._error = frame
                 raise RemoteError(frame)
             elif isinstance(frame, FinalFrame | EmbeddingResult):
                 self.terminal = frame

@@ -75,7 +75,10 @@ async def running_workers(bus: Bus, specs: Sequence[tuple[Stage, PipelineStage]]
     finally:
         for worker in reversed(workers):
             worker.runtime.request_stop()
-        await asyncio.gather(*(w.task for w in workers), return_exceptions=True)
+        # Bounded, so a worker that does not stop fails here by name instead of hanging the test.
+        _, running = await asyncio.wait([w.task for w in workers], timeout=grace_s + 30)
+        stuck = [w.runtime.options.stage.value for w in workers if w.task in running]
+        assert not stuck, f"workers still running {grace_s + 30:.0f} s after stop: {stuck}"
 
 
 async def _all_registered(bus: Bus, workers: list[Worker], timeout_s: float = 30.0) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -82,7 +83,7 @@ async def test_client_disconnect_mid_stream_cancels_the_request(bus: Bus) -> Non
     async with gateway_over(bus, inter_token_s=0.05) as (_, base, decode):
         body = {"model": MOCK, "messages": [{"role": "user", "content": "go on forever"}], "max_tokens": 100000,
                 "stream": True}
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
             async with session.post(f"{base}/v1/chat/completions", json=body) as response:
                 assert response.status == 200 and response.headers["x-request-id"].startswith("chatcmpl-")
                 await response.content.readline()
@@ -90,3 +91,28 @@ async def test_client_disconnect_mid_stream_cancels_the_request(bus: Bus) -> Non
         # The connection is closed: the gateway cancels, the decode engine frees the request.
         await wait_until(lambda: decode.engine.load().running_requests == 0, timeout_s=5)  # type: ignore[attr-defined]
         await asyncio.sleep(0)
+
+
+async def test_a_stopping_gateway_cancels_the_streams_it_cuts(bus: Bus) -> None:
+    decode = mock_decode(inter_token_s=0.05)
+    body = {"model": MOCK, "messages": [{"role": "user", "content": "go on forever"}], "max_tokens": 100000,
+            "stream": True}
+    async with running_workers(bus, [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, decode)]), \
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        first_line = asyncio.get_running_loop().create_future()
+
+        async def read_until_cut(base: str) -> bytes:
+            async with session.post(f"{base}/v1/chat/completions", json=body) as response:
+                first_line.set_result(await response.content.readline())
+                return await response.content.read()
+
+        options = GatewayOptions(host="127.0.0.1", port=0, shutdown_grace_s=0.2)
+        async with serving(client_of(bus), options) as port:
+            reader = asyncio.create_task(read_until_cut(f"http://127.0.0.1:{port}"))
+            assert (await first_line).startswith(b"data: ")
+            assert decode.engine.load().running_requests == 1  # type: ignore[attr-defined]
+            stop_started_s = time.monotonic()
+        assert time.monotonic() - stop_started_s < 5  # the grace, not the stream's length
+        # The gateway cut the open response on its way out and cancelled what it was streaming.
+        await wait_until(lambda: decode.engine.load().running_requests == 0, timeout_s=5)  # type: ignore[attr-defined]
+        await asyncio.gather(reader, return_exceptions=True)

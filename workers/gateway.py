@@ -13,6 +13,7 @@ A client that disconnects mid-stream has its request cancelled through the contr
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import time
@@ -105,6 +106,8 @@ class GatewayOptions:
     port: int = 8000
     # Longest wait for the first frame of a reply (the request may queue behind others).
     first_token_timeout_s: float = 120.0
+    # On shutdown, how long open responses may run before they are cut (and their requests cancelled).
+    shutdown_grace_s: float = 30.0
 
 
 class OpenAIError(Exception):
@@ -210,10 +213,22 @@ class Gateway:
         structlog.contextvars.bind_contextvars(request_id=message.request_id)
         stream = await self._client.submit(message, first_frame_timeout_s=self._options.first_token_timeout_s)
         shape = _Shape(message.request_id, body.model, chat)
-        async with stream:
-            if body.stream:
-                return await self._stream(http, stream, shape, include_usage=bool(body.stream_options and body.stream_options.include_usage))
-            return await self._whole(stream, shape)
+        try:
+            async with stream:
+                if body.stream:
+                    return await self._stream(http, stream, shape, include_usage=bool(body.stream_options and body.stream_options.include_usage))
+                return await self._whole(stream, shape)
+        finally:
+            if not stream.ended:
+                # Left before the answer ended (client gone, gateway stopping, a broken stream): stop the
+                # generation wherever it is, even while this handler is being cancelled.
+                await asyncio.shield(self._cancel_quietly(message.request_id))
+
+    async def _cancel_quietly(self, request_id: str) -> None:
+        try:
+            await self._client.cancel(request_id, "HTTP client disconnected")
+        except Exception as error:  # NATS away: the worker's liveness probe of the inbox ends it instead
+            log.warning("gateway.cancel_failed", error=repr(error))
 
     async def _whole(self, stream: ReplyStream, shape: _Shape) -> web.Response:
         chunks, final = await _collect(stream)
@@ -247,9 +262,8 @@ class Gateway:
                 await _send(response, shape.usage_chunk(final.usage))
             await response.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, ConnectionError):
-            # The HTTP client went away: stop the generation wherever it is.
+            # The HTTP client went away: `_serve` cancels the request, which has no terminal frame.
             log.info("gateway.client_disconnected")
-            await self._client.cancel(shape.request_id, "HTTP client disconnected")
             return response
         except RemoteError as error:
             await _send(response, OpenAIError.of_remote(error).body())
@@ -357,7 +371,7 @@ def _summary(error: ValidationError) -> str:
 async def serving(client: PipelineClient, options: GatewayOptions) -> AsyncIterator[int]:
     """Serve while the block runs; gives the bound port."""
     gateway = Gateway(client, options)
-    runner = web.AppRunner(gateway.app, access_log=None)
+    runner = web.AppRunner(gateway.app, access_log=None, shutdown_timeout=options.shutdown_grace_s)
     await runner.setup()
     site = web.TCPSite(runner, options.host, options.port)
     await site.start()
