@@ -65,6 +65,16 @@ class NixlHandle(WireModel):
     dtype: str
 
 
+class EncodedImages(WireModel):
+    """What the encode stage made of a request's images: the prompt with each image placeholder expanded to
+    the image's tokens and, while an encode worker holds them, the image rows to read over NIXL (`rows`;
+    absent past the stage that read them). The task's `request` keeps the images themselves, so an LLM
+    worker that cannot read the rows (their encode worker died) encodes them again instead of failing."""
+
+    token_ids: list[int] = Field(min_length=1)
+    rows: NixlHandle | None = None
+
+
 class Task(WireModel):
     """A unit of work for one stage; `request_id` and `reply_to` read through to the header."""
 
@@ -91,7 +101,7 @@ class PrefillTask(Task):
     request: PreprocessedRequest
     # Given by a router that chose it; otherwise the prefill worker draws one.
     bootstrap_room: int | None = Field(default=None, ge=0, lt=2**63)
-    media_embeddings: NixlHandle | None = None
+    encoded_images: EncodedImages | None = None
 
 
 class DecodeTask(Task):
@@ -99,7 +109,7 @@ class DecodeTask(Task):
     request: PreprocessedRequest
     # Present in disaggregated mode: join this room and receive the prompt's KV instead of prefilling.
     bootstrap: BootstrapInfo | None = None
-    media_embeddings: NixlHandle | None = None
+    encoded_images: EncodedImages | None = None
 
 
 class EmbedTask(Task):

@@ -12,19 +12,26 @@ default), one fault injected into each round while its requests stream, then a t
   `--engine torch` (greedy, the real model), an answer shorter or longer than asked;
 - TTFT p99, ITL p99 and the longest gap between two frames, in the fault's rounds.
 
-Faults: none, decode-sigkill, decode-sigterm, processor-sigkill, nats-sigkill (the server, or with
-`--nats-nodes 3` one node of a cluster, is killed and started again after 1 s on the same store), cancel-storm (half the requests cancelled mid-stream),
-stalled-client (a client process that stops reading, SIGSTOP, with a long request in flight).
+Faults: none, decode-sigkill, decode-sigterm, processor-sigkill, prefill-sigkill (with `--prefills`: the
+disaggregated topology), encode-sigkill (with `--encoders` and `--engine torch`: every request carries an
+image, through encode workers), nats-sigkill (the server, or with `--nats-nodes 3` one node of a cluster, is
+killed and started again after 1 s on the same store), cancel-storm (half the requests cancelled
+mid-stream), stalled-client (a client process that stops reading, SIGSTOP, with a long request in flight).
 
     .venv/bin/python scripts/bench_faults.py                          # every fault, 3 rounds of 32 streams
     .venv/bin/python scripts/bench_faults.py --faults decode-sigkill --rounds 10 --concurrency 64
     .venv/bin/python scripts/bench_faults.py --nats-nodes 3 --faults none,nats-sigkill,decode-sigkill
+    .venv/bin/python scripts/bench_faults.py --prefills 2 --faults none,prefill-sigkill,decode-sigkill
+    .venv/bin/python scripts/bench_faults.py --engine torch --encoders 2 --faults none,encode-sigkill \
+        --concurrency 8 --max-tokens 24
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import io
 import os
 import random
 import signal
@@ -47,13 +54,13 @@ from bus.server import EmbeddedNatsCluster, EmbeddedNatsServer
 from bus.streams import declare_all
 from bus.subjects import Names
 from bus.settings import BusSettings, NatsSettings
-from schemas.client import CompletionRequest, StreamFormat
+from schemas.client import ChatMessage, ChatRequest, CompletionRequest, ImagePart, MediaUrl, StreamFormat, TextPart
 from schemas.registry import Stage
 from schemas.replies import FinalFrame, FinishReason
 from workers.engines.mock import MockEngine, MockEngineConfig
 
-FAULTS = ["none", "decode-sigkill", "decode-sigterm", "processor-sigkill", "nats-sigkill", "cancel-storm",
-          "stalled-client"]
+FAULTS = ["none", "decode-sigkill", "decode-sigterm", "processor-sigkill", "prefill-sigkill", "encode-sigkill",
+          "nats-sigkill", "cancel-storm", "stalled-client"]
 
 
 def say(message: str) -> None:
@@ -83,6 +90,10 @@ class Cluster:
         self.args = args
         self.workers: dict[str, list[subprocess.Popen[bytes]]] = defaultdict(list)
         self.stopped: list[subprocess.Popen[bytes]] = []
+        self.replicas = {"processor": args.processors, "encode": args.encoders, "prefill": args.prefills,
+                         "decode": args.decoders}
+        self.mode = {(False, False): "aggregated", (False, True): "disaggregated", (True, False): "encode-aggregated",
+                     (True, True): "encode-disaggregated"}[(args.encoders > 0, args.prefills > 0)]
 
     async def start(self) -> None:
         if self.cluster is not None:
@@ -90,10 +101,9 @@ class Cluster:
         else:
             self.server.start()
         await self._declare()
-        for _ in range(self.args.processors):
-            self.spawn("processor")
-        for _ in range(self.args.decoders):
-            self.spawn("decode")
+        for stage, count in self.replicas.items():
+            for _ in range(count):
+                self.spawn(stage)
 
     async def _declare(self, timeout_s: float = 30.0) -> None:
         """Declare the namespace (a cluster answers once it has elected a JetStream meta leader)."""
@@ -114,7 +124,7 @@ class Cluster:
     def spawn(self, stage: str) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "CONVEYOR_NAMESPACE": self.namespace,
                "CONVEYOR_NATS_URLS": ",".join(self.urls), "CONVEYOR_STREAM_REPLICAS": str(self.settings.stream_replicas), "CONVEYOR_MOCK_INTER_TOKEN_S": str(self.args.inter_token_ms / 1000),
-               "CONVEYOR_MOCK_MAX_RUNNING_REQUESTS": "256", "CONVEYOR_REGISTRY_TTL_S": "3"}
+               "CONVEYOR_MOCK_MAX_RUNNING_REQUESTS": "256", "CONVEYOR_REGISTRY_TTL_S": "3", "CONVEYOR_MODE": self.mode}
         command = [sys.executable, "-m", "workers.cli", "worker", stage, "--engine", self.args.engine, "--log-level",
                    "ERROR", "--shutdown-grace-s", "0.5"]
         self.workers[stage].append(subprocess.Popen(command, cwd=ROOT, env=env))
@@ -132,14 +142,13 @@ class Cluster:
                 process.kill()
                 process.wait()
         for stage, processes in list(self.workers.items()):
-            wanted = self.args.processors if stage == "processor" else self.args.decoders
-            for _ in range(wanted - len(processes)):
+            for _ in range(self.replicas[stage] - len(processes)):
                 self.spawn(stage)
         self.stopped.clear()
 
     async def wait_ready(self, client: PipelineClient, timeout_s: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_s
-        wanted = {Stage.PROCESSOR: self.args.processors, Stage.DECODE: self.args.decoders}
+        wanted = {Stage(stage): count for stage, count in self.replicas.items()}
         while time.monotonic() < deadline:
             try:
                 cards = [card for card in await client.live_workers() if card.ready]
@@ -173,9 +182,7 @@ def expected_tokens(prompt: list[int], count: int) -> list[int]:
 
 async def stream_one(client: PipelineClient, prompt: list[int], args: argparse.Namespace,
                      cancel_after_s: float | None) -> Outcome:
-    request = CompletionRequest(request_id=f"fault-{uuid.uuid4().hex[:12]}", reply_to=client.new_inbox(), model=args.model,
-                                prompt=prompt, max_tokens=args.max_tokens, stream_format=StreamFormat.TOKENS,
-                                temperature=0.0, ignore_eos=True)
+    request = request_for(client, prompt, args)
     started_s = time.monotonic()
     outcome = Outcome("hung")
     tokens: list[int] = []
@@ -216,6 +223,25 @@ async def stream_one(client: PipelineClient, prompt: list[int], args: argparse.N
         if canceller is not None:
             canceller.cancel()
     return outcome
+
+
+def request_for(client: PipelineClient, prompt: list[int], args: argparse.Namespace) -> CompletionRequest | ChatRequest:
+    fields = {"request_id": f"fault-{uuid.uuid4().hex[:12]}", "reply_to": client.new_inbox(), "model": args.model,
+              "max_tokens": args.max_tokens, "stream_format": StreamFormat.TOKENS, "temperature": 0.0, "ignore_eos": True}
+    if not args.encoders:
+        return CompletionRequest(prompt=prompt, **fields)
+    # Through the encode workers: a picture of its own per request (no cache hit), with the prompt as text.
+    image = ImagePart(image_url=MediaUrl(url=picture(prompt)))
+    text = TextPart(text=" ".join(str(token) for token in prompt[:16]))
+    return ChatRequest(messages=[ChatMessage(role="user", content=[text, image])], **fields)
+
+
+def picture(prompt: list[int]) -> str:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 48), (prompt[0] % 256, prompt[1] % 256, prompt[2] % 256)).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 async def _cancel_later(client: PipelineClient, request_id: str, delay_s: float) -> None:
@@ -270,16 +296,13 @@ async def run_round(client: PipelineClient, cluster: Cluster, fault: str, args: 
 
 
 async def inject(cluster: Cluster, fault: str) -> None:
-    if fault == "decode-sigkill":
-        cluster.signal_one("decode", signal.SIGKILL)
-    elif fault == "decode-sigterm":
-        cluster.signal_one("decode", signal.SIGTERM)
-    elif fault == "processor-sigkill":
-        cluster.signal_one("processor", signal.SIGKILL)
-    elif fault == "nats-sigkill":
+    if fault == "nats-sigkill":
         cluster.server.halt(signal.SIGKILL)
         await asyncio.sleep(1.0)
         cluster.server.start()
+    elif fault.endswith(("-sigkill", "-sigterm")):
+        stage, _, kind = fault.rpartition("-")
+        cluster.signal_one(stage, signal.SIGKILL if kind == "sigkill" else signal.SIGTERM)
 
 
 def p99(values: list[float]) -> float:
@@ -310,6 +333,12 @@ async def main(args: argparse.Namespace) -> None:
     unknown = set(faults) - set(FAULTS)
     if unknown:
         raise SystemExit(f"unknown faults: {', '.join(sorted(unknown))}; choose from {', '.join(FAULTS)}")
+    if "prefill-sigkill" in faults and not args.prefills:
+        raise SystemExit("prefill-sigkill needs prefill workers: add --prefills 2")
+    if "encode-sigkill" in faults and not args.encoders:
+        raise SystemExit("encode-sigkill needs encode workers: add --encoders 2 (and --engine torch)")
+    if args.encoders and args.engine != "torch":
+        raise SystemExit("encode workers run the torch engine's vision tower: add --engine torch")
     rng = random.Random(args.seed)
     namespace = f"faults{uuid.uuid4().hex[:6]}"
     with tempfile.TemporaryDirectory(prefix="conveyor-faults-") as store:
@@ -318,8 +347,8 @@ async def main(args: argparse.Namespace) -> None:
             await cluster.start()
             async with open_client(NatsSettings(urls=cluster.urls), cluster.settings, "bench-faults") as client:
                 await cluster.wait_ready(client)
-                say(f"{args.processors} processor + {args.decoders} decode replicas on {args.nats_nodes} NATS node(s) ready "
-                    f"({args.engine} engine, "
+                replicas = " + ".join(f"{count} {stage}" for stage, count in cluster.replicas.items() if count)
+                say(f"{replicas} replicas ({cluster.mode}) on {args.nats_nodes} NATS node(s) ready ({args.engine} engine, "
                     f"{args.inter_token_ms} ms/token); {args.rounds} rounds × {args.concurrency} streams per fault")
                 results: dict[str, list[Outcome]] = {}
                 for fault in faults:
@@ -345,6 +374,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--inter-token-ms", type=float, default=10.0, help="the mock engine's time per token")
     parser.add_argument("--processors", type=int, default=2)
     parser.add_argument("--decoders", type=int, default=2)
+    parser.add_argument("--prefills", type=int, default=0, help="prefill replicas (> 0: disaggregated serving)")
+    parser.add_argument("--encoders", type=int, default=0,
+                        help="encode replicas (> 0: every request carries an image; needs --engine torch)")
     parser.add_argument("--spread-s", type=float, default=1.0, help="requests of a round start over this long")
     parser.add_argument("--fault-at-s", type=float, default=0.7, help="the fault, this long into the round")
     parser.add_argument("--deadline-s", type=float, default=60.0, help="a stream not ended by then is hung")

@@ -72,3 +72,11 @@ async def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> N
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(0.01)
+
+
+async def wait_until_async(predicate: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.05)

@@ -145,14 +145,14 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @asynccontextmanager
-async def worker_processes(urls: list[str], namespace: str, stages: list[str],
+async def worker_processes(urls: list[str], namespace: str, stages: list[str], engine: str = "mock",
                            **env: str) -> AsyncIterator[list[subprocess.Popen[bytes]]]:
-    """Mock-engine workers as processes (`conveyor worker STAGE`), stopped (SIGTERM, then SIGKILL) on exit.
-    `env`: more CONVEYOR_* settings, e.g. CONVEYOR_STREAM_REPLICAS="3"."""
+    """Workers as processes (`conveyor worker STAGE`, the mock engine unless told), stopped (SIGTERM, then
+    SIGKILL) on exit. `env`: more CONVEYOR_* settings, e.g. CONVEYOR_STREAM_REPLICAS="3"."""
     environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CONVEYOR_NAMESPACE": namespace,
                    "CONVEYOR_NATS_URLS": ",".join(urls), "CONVEYOR_REGISTRY_TTL_S": "3",
                    "CONVEYOR_MOCK_INTER_TOKEN_S": "0.01", **env}
-    workers = [subprocess.Popen([sys.executable, "-m", "workers.cli", "worker", stage, "--engine", "mock",
+    workers = [subprocess.Popen([sys.executable, "-m", "workers.cli", "worker", stage, "--engine", engine,
                                  "--log-level", "WARNING", "--shutdown-grace-s", "1"], cwd=REPO_ROOT, env=environment)
                for stage in stages]
     try:

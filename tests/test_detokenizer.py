@@ -35,3 +35,26 @@ def test_text_that_only_looks_like_a_stop_start_is_released() -> None:
     shown = "".join(feed(detokenizer, "the END"))
     assert shown == "the "  # "END" might still become "ENDING"
     assert detokenizer.flush() == "END"
+
+
+def test_a_resumed_detokenizer_shows_exactly_what_its_predecessor_held_back() -> None:
+    text, stops = "abc EN世界 ENDING", ["ENDX"]
+    uninterrupted = IncrementalDetokenizer(ByteTokenizer(), stop=stops)
+    whole = "".join(feed(uninterrupted, text)) + uninterrupted.flush()
+    data = text.encode()
+    # Split after every byte: mid-character, inside a partial stop match, anywhere.
+    for split in range(1, len(data)):
+        first = IncrementalDetokenizer(ByteTokenizer(), stop=stops)
+        shown = "".join(first.add([byte]) for byte in data[:split])
+        second = IncrementalDetokenizer.resumed(ByteTokenizer(), stops, True, list(data[:split]), shown)
+        rest = "".join(second.add([byte]) for byte in data[split:]) + second.flush()
+        assert shown + rest == whole == text, split
+
+
+def test_a_resumed_detokenizer_still_matches_a_stop_string_begun_before_the_split() -> None:
+    data = "say END now".encode()
+    first = IncrementalDetokenizer(ByteTokenizer(), stop=["END"])
+    shown = "".join(first.add([byte]) for byte in data[:5])  # "say E": "E" held back
+    second = IncrementalDetokenizer.resumed(ByteTokenizer(), ["END"], True, list(data[:5]), shown)
+    rest = "".join(second.add([byte]) for byte in data[5:])
+    assert (shown, shown + rest, second.matched_stop) == ("say ", "say ", "END")

@@ -15,6 +15,7 @@ import torch
 from aiohttp import web
 from PIL import Image
 
+from bus.client import PipelineClient
 from bus.errors import RemoteError
 from schemas.client import ChatMessage, ImagePart, MediaUrl, TextPart, VideoPart
 from schemas.codec import WIRE_VERSION
@@ -23,8 +24,8 @@ from schemas.registry import ServingMode, Stage, WorkerCard
 from schemas.replies import ErrorCode, FinalFrame, FinishReason
 from schemas.tasks import MediaItem
 from tests.conftest import Bus
-from tests.helpers import metric
-from tests.pipeline_helpers import client_of, running_workers
+from tests.helpers import metric, wait_until_async
+from tests.pipeline_helpers import client_of, running_workers, worker_processes
 from workers.decode import DecodeStage
 from workers.engines.factory import EngineKind
 from schemas.sampling import SamplingOptions, StopConditions
@@ -246,11 +247,7 @@ async def test_cancel_while_no_llm_worker_reads_frees_the_encode_buffer(bus: Bus
     encode = _encode_stage(EngineKind.TORCH, DEFAULT_MODEL)
     specs = [(Stage.PROCESSOR, processor()), (Stage.ENCODE, encode)]
     async with running_workers(bus, specs, model=DEFAULT_MODEL, mode=ServingMode.ENCODE_AGGREGATED):
-        # A decode worker that is registered but never pulls: the rows wait in the export pool.
-        card = WorkerCard(worker_id="absent-decode", stage=Stage.DECODE, model=DEFAULT_MODEL,
-                          mode=ServingMode.ENCODE_AGGREGATED, engine="torch", host="h", pid=1, started_at_s=0.0,
-                          ready=True, wire_version=WIRE_VERSION)
-        await bus.registry.put(card.worker_id, encode_wire(card))
+        await register_absent_decode(bus)
         await asyncio.sleep(1.1)  # the processor's view of the registry refreshes every second
         client = client_of(bus)
         request = image_chat(client, [BLUE])
@@ -279,3 +276,44 @@ async def test_placeholders_must_match_the_images() -> None:
     assert encoded.rows.shape == (32, 576) and len(encoded.token_ids) == 2 + 32
     assert torch.equal(encoded.rows[:16], encoded.rows[16:])  # the same image, from the cache
     assert MediaLimits().max_images == 16
+
+
+async def test_images_survive_their_encode_worker_dying_after_the_handoff(bus: Bus) -> None:
+    # The encode worker is a process of its own, so that it can die for real: SIGKILL once its rows are
+    # offered and the decode task is queued, before any LLM worker read them.
+    async with worker_processes(bus.nats_settings.urls, bus.names.namespace, ["encode"], engine="torch",
+                                CONVEYOR_MODEL=DEFAULT_MODEL, CONVEYOR_MODE="encode-aggregated") as [encode_process]:
+        async with running_workers(bus, [(Stage.PROCESSOR, processor())], model=DEFAULT_MODEL,
+                                   mode=ServingMode.ENCODE_AGGREGATED):
+            client = client_of(bus)
+            await register_absent_decode(bus)
+            await wait_until_async(lambda: stage_is_ready(client, Stage.ENCODE), timeout_s=90)
+            before = metric("conveyor_migrations_total", stage="encode", outcome="encoded_by_llm_worker")
+            async with await client.submit(image_chat(client, [BLUE]), first_frame_timeout_s=120) as stream:
+                await wait_until_async(lambda: queued(bus, Stage.DECODE), timeout_s=60)
+                encode_process.kill()
+                encode_process.wait()
+                decode = DecodeStage(llm(), DEFAULT_MODEL, _image_inputs(EngineKind.TORCH, DEFAULT_MODEL, Stage.DECODE))
+                async with running_workers(bus, [(Stage.DECODE, decode)], model=DEFAULT_MODEL,
+                                           mode=ServingMode.ENCODE_AGGREGATED):
+                    chunks, final = await stream.collect()
+    assert isinstance(final, FinalFrame) and final.finish_reason == FinishReason.LENGTH
+    assert sum(len(chunk.token_ids) for chunk in chunks) == final.usage.completion_tokens == 12
+    assert metric("conveyor_migrations_total", stage="encode", outcome="encoded_by_llm_worker") == before + 1
+
+
+async def register_absent_decode(bus: Bus) -> None:
+    """A decode card with no worker behind it: the processor routes, nobody pulls, the rows wait."""
+    card = WorkerCard(worker_id="absent-decode", stage=Stage.DECODE, model=DEFAULT_MODEL,
+                      mode=ServingMode.ENCODE_AGGREGATED, engine="torch", host="h", pid=1, started_at_s=0.0,
+                      ready=True, wire_version=WIRE_VERSION)
+    await bus.registry.put(card.worker_id, encode_wire(card))
+
+
+async def stage_is_ready(client: PipelineClient, stage: Stage) -> bool:
+    return any(card.stage == stage and card.ready for card in await client.live_workers())
+
+
+async def queued(bus: Bus, stage: Stage) -> bool:
+    return (await bus.js.stream_info(bus.names.work_stream(stage))).state.messages > 0
+

@@ -11,7 +11,9 @@ import torch
 from schemas.kv_events import BlockRemoved, BlockStored
 from schemas.replies import FinishReason
 from schemas.sampling import GuidedDecoding, OutputOptions, SamplingOptions, StopConditions
-from workers.engines.protocol import GenerateOutput, GenerateRequest, KvEventBatchOut, MemoryTag, UnsupportedOption
+from workers.engines.protocol import (GenerateOutput, GenerateRequest, KvEventBatchOut, MemoryTag, ResumedOutput,
+                                      UnsupportedOption)
+from workers.engines.detokenizer import IncrementalDetokenizer
 from workers.engines.kv_hashing import block_hash
 from workers.engines.torch_engine.engine import TorchEngine, TorchEngineConfig
 
@@ -162,6 +164,24 @@ async def test_stop_string_ends_generation_and_is_not_shown(engine: TorchEngine)
     _, text, final = await run(engine, GenerateRequest("stop", ids, GREEDY, StopConditions(max_tokens=30, stop=[stop_word])))
     assert final.finish_reason == FinishReason.STOP and final.matched_stop == stop_word
     assert text == free_text[: free_text.index(stop_word)]
+
+
+async def test_a_migrated_generation_shows_the_text_its_first_engine_held_back(engine: TorchEngine) -> None:
+    prompt = chat_ids(engine, "Name three colours.")
+    whole_ids, whole_text, _ = await run(engine, GenerateRequest("whole", prompt, GREEDY, StopConditions(max_tokens=12)))
+    # A stop string that begins with the text of tokens 5-6 and never completes: at token 6 the first engine
+    # holds that text back, then dies.
+    split = 6
+    held_from = len(engine.tokenizer.decode(whole_ids[:split - 2]))
+    stop = whole_text[held_from:len(engine.tokenizer.decode(whole_ids[:split]))] + "\x00"
+    first = IncrementalDetokenizer(engine.tokenizer, [stop])
+    shown = "".join(first.add([token]) for token in whole_ids[:split])
+    assert whole_text.startswith(shown) and len(shown) <= held_from  # the stop's beginning was held back
+    resumed = GenerateRequest("second", prompt + whole_ids[:split], GREEDY,
+                              StopConditions(max_tokens=12 - split, stop=[stop]),
+                              resumed=ResumedOutput(whole_ids[:split], shown))
+    _, rest, _ = await run(engine, resumed)
+    assert shown + rest == whole_text
 
 
 async def test_stop_token_max_tokens_and_min_tokens(engine: TorchEngine) -> None:

@@ -3,8 +3,9 @@
 Consumes `DecodeTask` from `{ns}.work.decode.{model}`. Aggregated tasks (no bootstrap) run prompt
 and generation on this engine; disaggregated tasks carry `{bootstrap_host, bootstrap_port,
 bootstrap_room}` and the engine reads the prompt's KV from that prefill engine first. A task with images
-carries either a `NixlHandle` (E/PD: the encode worker's rows, read over NIXL) or the images themselves (EPD:
-encoded here, when this worker has a vision path); the rows replace the prompt's image tokens' embeddings.
+carries the images and, once an encode worker ran them, `EncodedImages` (E/PD: the expanded prompt and a
+`NixlHandle` to the rows); without one they are encoded here (EPD, when this worker has a vision path). The
+rows replace the prompt's image tokens' embeddings.
 
 Emits to the task's `reply_to`: `TokenChunk`s — token ids always, the text delta when the request
 asked for text (whole characters only, matched stop strings hidden), an OpenAI
@@ -15,16 +16,18 @@ Migration: every reply stream is journaled (bus/journal.py). A task redelivered 
 died or stopped mid-stream is taken over where it stopped: the tokens the client has are appended to
 the prompt, `max_tokens` shrinks by as many, the stream goes on with its numbering and inbox, and the
 final frame counts the `migrations`. Not migrated (retryable `worker_lost` error frame instead): guided
-decoding (its grammar state cannot move), n > 1, image rows read from an encode worker (read once),
-a request past the migration limit or whose sequence is longer than the migration max. With migration
+decoding (its grammar state cannot move), n > 1, images on a worker without a vision path (their rows
+were read once; with one, they are encoded here again), a request past the migration limit or whose
+sequence is longer than the migration max. With migration
 off (`--migration-limit 0`, no journal) every redelivered task gets that error, as what was streamed is
 unknown; set the limit alike on every replica of a model.
 
 Fails how: an option the engine cannot honour → `unsupported` error frame; an engine error →
 `internal` error frame; a KV handoff that cannot complete (its prefill worker died) → the prompt runs on
-this engine when it can (torch, mock), else a retryable `worker_lost` error frame, as for image rows that
-cannot be read; images for a worker without a vision path → `unsupported`; bad media (EPD) → the
-encode stage's errors.
+this engine when it can (torch, mock; images encoded here), else a retryable `worker_lost` error frame;
+image rows that cannot be read (their encode worker died) → the images, which the task keeps, are encoded
+here, or `worker_lost` without a vision path; images for a worker without a vision path → `unsupported`;
+bad media (EPD) → the encode stage's errors.
 A `Cancel` (or the client vanishing, seen by the reply stream's liveness probe) aborts the engine
 request at once, freeing its blocks, and the client gets `finish_reason: cancelled`.
 """
@@ -48,7 +51,8 @@ from schemas.registry import Stage
 from schemas.replies import ChatChunkChoice, ChatCompletionChunk, ChatDelta, ErrorCode, FinishReason, Usage
 from schemas.sampling import SamplingOptions, StopConditions
 from schemas.tasks import DecodeTask, PrefillTask
-from workers.engines.protocol import Engine, GenerateOutput, GenerateRequest, TransferFailed, UnsupportedOption
+from workers.engines.protocol import (Engine, GenerateOutput, GenerateRequest, ResumedOutput, TransferFailed,
+                                      UnsupportedOption)
 from workers.media import ImageInputs, MediaError
 from workers.runtime import StageContext
 
@@ -115,7 +119,13 @@ class DecodeStage:
         if resumed is not None and not await self._take_over(task, resumed, delivery):
             REQUESTS.labels(stage=Stage.DECODE.value, model=self.model, outcome="worker_lost").inc()
             return
-        images = await resolve_images(self._images, task, delivery)
+        # A migrated request's KV is gone with its prefill: this engine runs the longer prompt itself.
+        bootstrap = task.bootstrap if resumed is None else None
+        if bootstrap is not None:
+            # The prompt's KV, images included, comes from the prefill engine.
+            images: tuple[list[int], Any] | None = (prompt_of(task), None)
+        else:
+            images = await resolve_images(self._images, task, delivery)
         if images is None:
             return
         token_ids, image_rows = images
@@ -128,9 +138,9 @@ class DecodeStage:
             stop=_remaining(task.request.stop, len(generated)),
             output=task.request.output,
             guided=task.request.guided,
-            # A migrated request's KV is gone with its prefill: this engine runs the longer prompt itself.
-            bootstrap=task.bootstrap if resumed is None else None,
+            bootstrap=bootstrap,
             priority=task.request.priority,
+            resumed=ResumedOutput(resumed.token_ids, resumed.text) if resumed is not None else None,
         )
         async with delivery.reply as reply:
             outcome = await self._stream(task, request, reply, delivery, len(generated))
@@ -152,16 +162,17 @@ class DecodeStage:
         return True
 
     def _runs_prompts_itself(self, task: DecodeTask) -> bool:
-        """Whether a disaggregated prompt can run on this engine instead (no KV handoff; images were
-        encoded for the prefill engine and are not here)."""
-        return self._engine.info.prefills_in_decode_role and not task.request.media and task.media_embeddings is None
+        """Whether a disaggregated prompt can run on this engine instead of arriving as KV (its images, if
+        any, encoded here)."""
+        return self._engine.info.prefills_in_decode_role and (not task.request.media or self.accepts_media)
 
     def _refusal(self, task: DecodeTask, progress: Progress) -> str | None:
         request = task.request
-        # What cannot be rebuilt here: a grammar's state, n parallel streams, image rows an encode worker
-        # handed over once, or (disaggregated) a prompt this decode engine cannot run itself.
+        # What cannot be rebuilt here: a grammar's state, n parallel streams, images without a vision path
+        # here (their rows were read once), or (disaggregated) a prompt this decode engine cannot run itself.
         local_prefill = task.bootstrap is None or self._runs_prompts_itself(task)
-        if request.guided is not None or request.sampling.n > 1 or task.media_embeddings is not None or not local_prefill:
+        images_lost = bool(request.media) and not self.accepts_media
+        if request.guided is not None or request.sampling.n > 1 or images_lost or not local_prefill:
             return "not_migratable"
         if progress.migrations >= self._migration.limit:
             return "over_limit"
@@ -203,7 +214,12 @@ class DecodeStage:
                 log.warning("decode.prefill_lost", error=str(error))
                 MIGRATIONS.labels(stage=Stage.PREFILL.value, outcome="prefilled_by_decode").inc()
                 stopper.cancel()
-                return await self._stream(task, replace(request, bootstrap=None), reply, delivery, num_streamed)
+                images = await resolve_images(self._images, task, delivery)
+                if images is None:
+                    return "error"
+                token_ids, image_rows = images
+                local = replace(request, bootstrap=None, token_ids=token_ids, image_rows=image_rows)
+                return await self._stream(task, local, reply, delivery, num_streamed)
             await reply.fail(ErrorCode.WORKER_LOST, f"KV handoff failed: {error}", retryable=True)
             return "error"
         finally:
@@ -267,16 +283,22 @@ def _remaining(stop: StopConditions, num_streamed: int) -> StopConditions:
     return stop.model_copy(update={"max_tokens": max_tokens, "min_tokens": max(0, stop.min_tokens - num_streamed)})
 
 
+def prompt_of(task: DecodeTask | PrefillTask) -> list[int]:
+    """The prompt as the engine runs it: with each image placeholder expanded, once encoded."""
+    return task.encoded_images.token_ids if task.encoded_images is not None else task.request.token_ids
+
+
 async def resolve_images(images: ImageInputs | None, task: DecodeTask | PrefillTask,
                          delivery: Delivery) -> tuple[list[int], Any] | None:
-    """The prompt and image rows to run: read over NIXL (E/PD, E/P/D) or encoded here (EPD). None when
-    the client was already told why not (the encode worker's buffer is gone: retryable)."""
+    """The prompt and image rows to run: read over NIXL (E/PD, E/P/D) or encoded here (EPD, or when the
+    rows cannot be read). None when the client was already told why not (retryable `worker_lost`)."""
     if images is None:
-        if task.media_embeddings is not None or task.request.media:
+        if task.request.media:
             raise RejectRequest(ErrorCode.UNSUPPORTED, "this worker has no image path; start encode workers for the model")
         return task.request.token_ids, None
     try:
-        return await images.resolve(task.request_id, task.request.token_ids, task.request.media, task.media_embeddings)
+        return await images.resolve(task.request_id, task.request.token_ids, task.request.media, task.encoded_images,
+                                    first_delivery=delivery.num_delivered == 1)
     except MediaError as error:
         raise RejectRequest(error.code, str(error)) from error
     except TransferFailed as error:

@@ -5,9 +5,9 @@ placeholder token per image and the images' URLs. For each it loads the media co
 (`data:`, `file://`, `http(s)://`, with size, pixel and time limits), runs the vision tower on the
 images its LRU cache does not hold (keyed by content hash), expands each placeholder to the image's
 pad ids, copies the rows into its NIXL export pool and publishes the next task — `DecodeTask` (E/PD)
-or `PrefillTask` (E/P/D), as the processor chose — with the expanded prompt and a `NixlHandle`
-(descriptors, shape, dtype; never the rows). It acks when the LLM worker has read the rows, so the
-buffer lives exactly as long as it is needed.
+or `PrefillTask` (E/P/D), as the processor chose — with the request as it came (images included) and
+`EncodedImages`: the expanded prompt and a `NixlHandle` (descriptors, shape, dtype; never the rows). It
+acks when the LLM worker has read the rows, so the buffer lives exactly as long as it is needed.
 
 Emits to the client only errors (and `cancelled` when the cancel lands while encoding): the LLM
 stage streams the answer.
@@ -32,7 +32,7 @@ from bus.metrics import QUEUE_SECONDS, REQUESTS
 from schemas.client import MediaUrl
 from schemas.registry import Stage
 from schemas.replies import ErrorCode, FinishReason, Usage
-from schemas.tasks import DecodeTask, EncodeTask, MediaItem, PrefillTask
+from schemas.tasks import DecodeTask, EncodedImages, EncodeTask, MediaItem, PrefillTask
 from workers.media import MediaEncoder, MediaError
 from workers.media_transfer import EmbeddingExporter
 from workers.runtime import StageContext
@@ -87,15 +87,24 @@ class EncodeStage:
             await delivery.reply.finish(FinishReason.CANCELLED, Usage.of(len(encoded.token_ids), 0))
             return
         handle = await self._exporter.offer(task.request_id, encoded.rows, wait_for_space_s=self._handoff_timeout_s)
-        request = task.request.model_copy(update={"token_ids": encoded.token_ids, "media": []})
+        # The request goes on with its images: a reader that finds this worker dead encodes them itself.
+        images = EncodedImages(token_ids=encoded.token_ids, rows=handle)
         stage = Stage.PREFILL if task.next_stage == "prefill" else Stage.DECODE
-        next_task = (PrefillTask(header=task.header, request=request, media_embeddings=handle) if stage == Stage.PREFILL
-                     else DecodeTask(header=task.header, request=request, media_embeddings=handle))
+        next_task = (PrefillTask(header=task.header, request=task.request, encoded_images=images)
+                     if stage == Stage.PREFILL else DecodeTask(header=task.header, request=task.request, encoded_images=images))
         try:
-            await self._context.publisher.publish(stage, next_task, task.request_id, delivery.trace, model=self.model)
+            published = await self._context.publisher.publish(stage, next_task, task.request_id, delivery.trace,
+                                                              model=self.model)
         except BaseException:
             self._exporter.release(task.request_id)
             raise
+        if not published:
+            # Redelivered after an encode worker died past its handoff: the LLM stage has the task already,
+            # and encodes the images itself when the dead worker's rows cannot be read. Nobody reads these.
+            self._exporter.release(task.request_id)
+            REQUESTS.labels(stage=Stage.ENCODE.value, model=self.model, outcome="duplicate").inc()
+            log.info("encode.duplicate")
+            return
         log.info("encode.handed_off", images=len(task.request.media), rows=int(encoded.rows.shape[0]),
                  to=stage.value, encode_ms=round((time.perf_counter() - started_s) * 1000, 1))
         outcome = await self._exporter.wait_read(task.request_id, delivery.cancelled, self._handoff_timeout_s)

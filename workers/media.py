@@ -33,9 +33,10 @@ from PIL import Image
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from bus.metrics import MEDIA_CACHE
+from bus.metrics import MEDIA_CACHE, MIGRATIONS
 from schemas.replies import ErrorCode
-from schemas.tasks import MediaItem, NixlHandle
+from schemas.tasks import EncodedImages, MediaItem, NixlHandle
+from workers.engines.protocol import TransferFailed
 from workers.engines.torch_engine.vision import VisionTower, pad_id, placeholder_id, preprocess
 from workers.media_transfer import EmbeddingReader
 
@@ -242,7 +243,8 @@ class MediaEncoder:
 
 class ImageInputs:
     """An LLM worker's view of a task's images: rows read over NIXL from an encode worker (E/PD,
-    E/P/D), or encoded here from the task's media when no encode worker took it (EPD)."""
+    E/P/D), or encoded here from the task's media when no encode worker took it (EPD) or the encode
+    worker that did died before they were read."""
 
     def __init__(self, encoder: MediaEncoder | None, reader_name: str, transfer_timeout_s: float = 30.0) -> None:
         self.encoder = encoder
@@ -252,18 +254,33 @@ class ImageInputs:
         self._transfer_timeout_s = transfer_timeout_s
 
     async def resolve(self, request_id: str, token_ids: list[int], items: list[MediaItem],
-                      handle: NixlHandle | None) -> tuple[list[int], torch.Tensor | None]:
-        """The prompt to run and its image rows (None for a text prompt). Raises `MediaError`, or
-        `TransferFailed` when the encode worker's buffer cannot be read."""
-        if handle is not None:
-            if self._reader is None:
-                self._reader = EmbeddingReader(self._reader_name)
-            rows = await asyncio.to_thread(self._reader.read, handle, request_id, self._transfer_timeout_s)
-            return token_ids, rows
+                      encoded: EncodedImages | None, first_delivery: bool = True) -> tuple[list[int], torch.Tensor | None]:
+        """The prompt to run and its image rows (None for a text prompt): read over NIXL when an encode
+        worker offers them, else encoded here. Raises `MediaError`, or `TransferFailed` when the rows cannot
+        be read and this worker cannot encode the images itself.
+
+        Rows are read on a task's first delivery only: a redelivered task's rows may have been read by the
+        replica that died, and the encode worker reuses a read range for other requests' rows."""
+        if encoded is not None and encoded.rows is not None:
+            try:
+                if not first_delivery:
+                    raise TransferFailed("the task was redelivered; its image rows may have been read already")
+                return encoded.token_ids, await self._read(encoded.rows, request_id)
+            except TransferFailed as error:
+                if self.encoder is None or not items:
+                    raise
+                # The images are in the task: encode them here rather than fail the request.
+                log.warning("images.encoding_here", reason=str(error))
+                MIGRATIONS.labels(stage="encode", outcome="encoded_by_llm_worker").inc()
         if not items:
             return token_ids, None
         if self.encoder is None:
             raise MediaError(ErrorCode.UNSUPPORTED, "this worker's engine has no vision path; start encode workers "
                              "for the model or serve a multimodal model")
-        encoded = await self.encoder.encode(token_ids, items)
-        return encoded.token_ids, encoded.rows
+        here = await self.encoder.encode(token_ids, items)
+        return here.token_ids, here.rows
+
+    async def _read(self, handle: NixlHandle, request_id: str) -> torch.Tensor:
+        if self._reader is None:
+            self._reader = EmbeddingReader(self._reader_name)
+        return await asyncio.to_thread(self._reader.read, handle, request_id, self._transfer_timeout_s)

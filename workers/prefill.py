@@ -29,7 +29,7 @@ import structlog
 from bus.consumer import Delivery
 from bus.metrics import QUEUE_SECONDS, REQUESTS
 from schemas.registry import Stage
-from schemas.tasks import BootstrapInfo, DecodeTask, PrefillTask
+from schemas.tasks import BootstrapInfo, DecodeTask, EncodedImages, PrefillTask
 from workers.decode import resolve_images, run_canary
 from workers.engines.protocol import Engine, GenerateOutput, GenerateRequest
 from workers.media import ImageInputs
@@ -93,9 +93,10 @@ class PrefillStage:
         prefill = asyncio.create_task(_drain(self._engine.generate(request)))
         # Let the engine register the room before the decode side learns of it.
         await asyncio.sleep(0)
-        # The decode engine receives the KV of the prompt as run here (images expanded), not the images.
-        prompt = task.request.model_copy(update={"token_ids": token_ids, "media": []})
-        decode_task = DecodeTask(header=task.header, request=prompt, bootstrap=bootstrap)
+        # The decode engine receives the KV of the prompt as run here (images expanded); the images go along
+        # so that it can run the prompt itself should this worker die before the handoff.
+        encoded = EncodedImages(token_ids=token_ids) if task.request.media else None
+        decode_task = DecodeTask(header=task.header, request=task.request, bootstrap=bootstrap, encoded_images=encoded)
         try:
             published = await self._context.publisher.publish(Stage.DECODE, decode_task, task.request_id, delivery.trace,
                                                               model=self.model)

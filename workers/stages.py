@@ -37,8 +37,9 @@ def build_stage(stage: Stage, kind: EngineKind, models: list[str], mode: Serving
     if stage == Stage.DECODE:
         disaggregated = mode in (ServingMode.DISAGGREGATED, ServingMode.ENCODE_DISAGGREGATED)
         role = DisaggregationRole.DECODE if disaggregated else DisaggregationRole.NONE
-        # A decode engine that receives the prompt's KV never sees images.
-        images = None if disaggregated else _image_inputs(kind, model, Stage.DECODE)
+        # Disaggregated, the images come as the prompt's KV; the vision path is for a prompt this engine runs
+        # itself (its prefill worker died, or the request migrated here).
+        images = _image_inputs(kind, model, Stage.DECODE)
         return DecodeStage(create_engine(kind, model, role, load_format), model, images, migration or MigrationPolicy())
     raise ValueError(f"the {stage.value} stage is not built yet (see the README's status table)")
 

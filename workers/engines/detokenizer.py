@@ -32,6 +32,16 @@ class IncrementalDetokenizer:
         self._emitted = 0  # characters of _text already returned
         self.matched_stop: str | None = None
 
+    @classmethod
+    def resumed(cls, tokenizer: Decoder, stop: list[str], skip_special_tokens: bool, token_ids: list[int],
+                shown_text: str) -> IncrementalDetokenizer:
+        """Go on with a generation another detokenizer started: it saw `token_ids` and showed `shown_text`;
+        the text it held back comes out with the next tokens here."""
+        detokenizer = cls(tokenizer, stop, skip_special_tokens)
+        detokenizer.add(token_ids)
+        detokenizer._emitted = len(shown_text)
+        return detokenizer
+
     def add(self, token_ids: list[int]) -> str:
         """The new visible text after these tokens; empty while held back."""
         if self.matched_stop is not None:

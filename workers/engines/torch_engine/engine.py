@@ -308,7 +308,7 @@ class TorchEngine:
             sampling=request.sampling,
             stop=request.stop,
             output=request.output,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, request.stop.stop, request.output.skip_special_tokens),
+            detokenizer=self._detokenizer(request),
             generator=generator,
             banned_before_min_tokens=tuple({*self.info.eos_token_ids, *request.stop.stop_token_ids}),
             bootstrap_room=request.bootstrap.bootstrap_room if request.bootstrap is not None else None,
@@ -316,6 +316,13 @@ class TorchEngine:
             if request.image_rows is not None else [],
             image_rows=request.image_rows,
         )
+
+    def _detokenizer(self, request: GenerateRequest) -> IncrementalDetokenizer:
+        stop, skip_special = request.stop.stop, request.output.skip_special_tokens
+        if request.resumed is None:
+            return IncrementalDetokenizer(self.tokenizer, stop, skip_special)
+        return IncrementalDetokenizer.resumed(self.tokenizer, stop, skip_special, request.resumed.token_ids,
+                                              request.resumed.text)
 
     # ----- the engine thread ---------------------------------------------------------------------
 
