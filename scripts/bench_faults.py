@@ -21,7 +21,8 @@ mid-stream), stalled-client (a client process that stops reading, SIGSTOP, with 
     .venv/bin/python scripts/bench_faults.py                          # every fault, 3 rounds of 32 streams
     .venv/bin/python scripts/bench_faults.py --faults decode-sigkill --rounds 10 --concurrency 64
     .venv/bin/python scripts/bench_faults.py --nats-nodes 3 --faults none,nats-sigkill,decode-sigkill
-    .venv/bin/python scripts/bench_faults.py --prefills 2 --faults none,prefill-sigkill,decode-sigkill
+    .venv/bin/python scripts/bench_faults.py --engine torch --prefills 2 --faults none,prefill-sigkill \
+        --concurrency 8 --max-tokens 24
     .venv/bin/python scripts/bench_faults.py --engine torch --encoders 2 --faults none,encode-sigkill \
         --concurrency 8 --max-tokens 24
 """
@@ -46,6 +47,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from bus.client import PipelineClient, open_client
 from bus.errors import RemoteError, ReplyGap, ReplyStreamBroken
@@ -305,6 +309,24 @@ async def inject(cluster: Cluster, fault: str) -> None:
         cluster.signal_one(stage, signal.SIGKILL if kind == "sigkill" else signal.SIGTERM)
 
 
+async def recoveries(client: PipelineClient) -> dict[str, float]:
+    """`conveyor_migrations_total` by outcome, summed over the live decode workers' /metrics."""
+    totals: dict[str, float] = defaultdict(float)
+    urls = [card.metrics_url for card in await client.live_workers() if card.stage == Stage.DECODE and card.metrics_url]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        for url in urls:
+            try:
+                async with session.get(url) as response:
+                    text = await response.text()
+            except (aiohttp.ClientError, TimeoutError):
+                continue  # a worker on its way out
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name == "conveyor_migrations_total":
+                        totals[sample.labels["outcome"]] += sample.value
+    return totals
+
+
 def p99(values: list[float]) -> float:
     if not values:
         return float("nan")
@@ -337,6 +359,9 @@ async def main(args: argparse.Namespace) -> None:
         raise SystemExit("prefill-sigkill needs prefill workers: add --prefills 2")
     if "encode-sigkill" in faults and not args.encoders:
         raise SystemExit("encode-sigkill needs encode workers: add --encoders 2 (and --engine torch)")
+    if args.prefills and args.engine != "torch":
+        raise SystemExit("disaggregated serving moves KV between torch engines (the mock runs every prompt itself): "
+                         "add --engine torch")
     if args.encoders and args.engine != "torch":
         raise SystemExit("encode workers run the torch engine's vision tower: add --engine torch")
     rng = random.Random(args.seed)
@@ -354,12 +379,17 @@ async def main(args: argparse.Namespace) -> None:
                 for fault in faults:
                     results[fault] = []
                     for round_index in range(args.rounds):
+                        # Decode workers count the prompts they ran themselves (their prefill died) and the images
+                        # they encoded themselves (their encode worker died); those workers outlive these faults.
+                        before = await recoveries(client)
                         outcomes = await run_round(client, cluster, fault, args, rng)
+                        recovered = {key: count - before.get(key, 0.0) for key, count in (await recoveries(client)).items()}
                         results[fault] += outcomes
                         bad = [o for o in outcomes if o.kind in ("failed", "hung") or o.wrong]
                         say(f"{fault} round {round_index + 1}: {sum(o.kind == 'completed' for o in outcomes)} completed, "
                             f"{sum(o.migrated for o in outcomes)} migrated, {len(bad)} bad"
-                            + (f" ({', '.join(sorted({o.detail or 'wrong tokens' for o in bad}))})" if bad else ""))
+                            + (f" ({', '.join(sorted({o.detail or 'wrong tokens' for o in bad}))})" if bad else "")
+                            + "".join(f", {key}: {count:.0f}" for key, count in recovered.items() if count > 0))
         finally:
             cluster.stop()
     print(table(results))
@@ -374,7 +404,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--inter-token-ms", type=float, default=10.0, help="the mock engine's time per token")
     parser.add_argument("--processors", type=int, default=2)
     parser.add_argument("--decoders", type=int, default=2)
-    parser.add_argument("--prefills", type=int, default=0, help="prefill replicas (> 0: disaggregated serving)")
+    parser.add_argument("--prefills", type=int, default=0,
+                        help="prefill replicas (> 0: disaggregated serving; needs --engine torch)")
     parser.add_argument("--encoders", type=int, default=0,
                         help="encode replicas (> 0: every request carries an image; needs --engine torch)")
     parser.add_argument("--spread-s", type=float, default=1.0, help="requests of a round start over this long")

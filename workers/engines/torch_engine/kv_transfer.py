@@ -143,8 +143,13 @@ class KvTransferAgent:
 
 def nixl_read(agent: Any, local_descs: Any, remote_descs: Any, remote: str, notification: bytes, timeout_s: float,
               owner: str) -> None:
-    """One blocking NIXL READ of `remote_descs` into `local_descs`; the owner gets `notification` when done."""
-    handle = agent.initialize_xfer("READ", local_descs, remote_descs, remote, notification)
+    """One blocking NIXL READ of `remote_descs` into `local_descs`; the owner gets `notification` when done.
+    Raises `TransferFailed` however it fails (NIXL's own errors, e.g. a dead owner's
+    `nixlRemoteDisconnectError`, share no base class)."""
+    try:
+        handle = agent.initialize_xfer("READ", local_descs, remote_descs, remote, notification)
+    except Exception as error:
+        raise TransferFailed(f"NIXL read from {owner} could not start: {error!r}") from error
     try:
         state = agent.transfer(handle)
         deadline = time.monotonic() + timeout_s
@@ -153,8 +158,15 @@ def nixl_read(agent: Any, local_descs: Any, remote_descs: Any, remote: str, noti
             state = agent.check_xfer_state(handle)
         if state != "DONE":
             raise TransferFailed(f"NIXL read from {owner} ended in state {state}")
+    except TransferFailed:
+        raise
+    except Exception as error:
+        raise TransferFailed(f"NIXL read from {owner} failed: {error!r}") from error
     finally:
-        agent.release_xfer_handle(handle)
+        try:
+            agent.release_xfer_handle(handle)
+        except Exception as error:  # the owner is gone; nothing left to release on its side
+            log.debug("nixl.release_failed", owner=owner, error=repr(error))
 
 
 def room_notification(room: int) -> bytes:
@@ -197,7 +209,13 @@ class BootstrapServer:
         self._settle(room, lambda future: future.set_result(offer))
 
     def fail(self, room: int, reason: str) -> None:
-        self._settle(room, lambda future: future.set_exception(TransferFailed(reason)))
+        def settle(future: asyncio.Future[RoomOffer]) -> None:
+            future.set_exception(TransferFailed(reason))
+            # Often nobody asks for a withdrawn room (its decode task was never published): not worth a
+            # "never retrieved" error in the log. A decode engine that asks later still gets the exception.
+            future.exception()
+
+        self._settle(room, settle)
 
     def forget(self, room: int, after_s: float = 0.0) -> None:
         """Drop a settled room, after a while when a late decode engine may still ask for it."""
