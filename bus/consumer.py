@@ -59,9 +59,11 @@ from bus.metrics import (
     REDELIVERIES,
     TERMINATIONS,
 )
+from bus.publish import PRIOR_DELIVERIES_HEADER
 from bus.replies import ReplySender
+from bus.router import unpin
 from bus.settings import BusSettings
-from bus.streams import ensure_work_consumer, work_consumer_config
+from bus.streams import ensure_work_consumer, pinned_consumer_config, work_consumer_config
 from bus.subjects import Names
 from bus.tracing import TraceContext
 from schemas.client import Inbox, RequestId
@@ -122,6 +124,8 @@ class ConsumerOptions:
     coalesce_window_s: float = 0.0
     # Journal reply streams so another replica can take a request over (the decode stage).
     journal_replies: bool = False
+    # Also pull this worker's own pinned subject (a routed stage: a router may address it alone).
+    pinned: bool = False
 
 
 class WorkConsumer(Generic[TaskT]):
@@ -154,6 +158,7 @@ class WorkConsumer(Generic[TaskT]):
         self._options = options
         self._in_progress_interval_s = options.in_progress_interval_s or settings.ack_wait_s / 3
         self._subscription: JetStreamContext.PullSubscription | None = None
+        self._pinned: JetStreamContext.PullSubscription | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         # Reply streams of the handlers running now, to resync after a NATS reconnect.
         self._replies: set[ReplySender] = set()
@@ -202,7 +207,13 @@ class WorkConsumer(Generic[TaskT]):
     async def bind(self) -> None:
         """Declare the shared durable consumer (idempotent) and bind a pull subscription to it."""
         durable = await self.declare()
-        self._subscription = await self._js.pull_subscribe_bind(durable=durable, stream=self._names.work_stream(self.stage))
+        stream = self._names.work_stream(self.stage)
+        self._subscription = await self._js.pull_subscribe_bind(durable=durable, stream=stream)
+        if self._options.pinned:
+            config = pinned_consumer_config(self._names, self.stage, self.model, self._worker_id, self._settings)
+            await ensure_work_consumer(self._js, config, stream)
+            assert config.durable_name is not None
+            self._pinned = await self._js.pull_subscribe_bind(durable=config.durable_name, stream=stream)
 
     async def declare(self) -> str:
         """Declare the shared durable consumer (idempotent; again after a server lost it); its name."""
@@ -216,20 +227,25 @@ class WorkConsumer(Generic[TaskT]):
         """Pull and handle work until `stop()`; returns once the loop has stopped fetching."""
         if self._subscription is None:
             await self.bind()
+        assert self._subscription is not None
         try:
-            while not self._stopping.is_set():
-                if not self._unpaused.is_set():
-                    await _first_of(self._unpaused.wait(), self._stopping.wait())
-                    continue
-                free_slots = self._options.max_concurrency - len(self._tasks)
-                if free_slots <= 0:
-                    self._slot_freed.clear()
-                    await self._slot_freed.wait()
-                    continue
-                for msg in await self._fetch(min(free_slots, self._options.fetch_batch)):
-                    self._spawn(msg)
+            # One loop per subject pulled (the shared queue; this worker's pinned tasks), sharing the slots.
+            await asyncio.gather(*(self._pull(s) for s in (self._subscription, self._pinned) if s is not None))
         finally:
             self._loop_done.set()
+
+    async def _pull(self, subscription: JetStreamContext.PullSubscription) -> None:
+        while not self._stopping.is_set():
+            if not self._unpaused.is_set():
+                await _first_of(self._unpaused.wait(), self._stopping.wait())
+                continue
+            free_slots = self._options.max_concurrency - len(self._tasks)
+            if free_slots <= 0:
+                self._slot_freed.clear()
+                await self._slot_freed.wait()
+                continue
+            for msg in await self._fetch(subscription, min(free_slots, self._options.fetch_batch)):
+                self._spawn(msg)
 
     async def stop(self, grace_s: float) -> None:
         """Stop fetching, give running handlers `grace_s` to finish, hand the rest back (nak)."""
@@ -242,14 +258,17 @@ class WorkConsumer(Generic[TaskT]):
             for task in unfinished:
                 task.cancel()
             await asyncio.gather(*unfinished, return_exceptions=True)
-        if self._subscription is not None:
-            await self._subscription.unsubscribe()
-            self._subscription = None
+        for subscription in (self._subscription, self._pinned):
+            if subscription is not None:
+                await subscription.unsubscribe()
+        if self._pinned is not None:
+            # What routers pinned here and this worker will not run now goes to the other replicas.
+            await unpin(self._js, self._names, self._settings, self.stage, self.model, self._worker_id)
+        self._subscription = self._pinned = None
 
-    async def _fetch(self, batch: int) -> list[Msg]:
-        assert self._subscription is not None
+    async def _fetch(self, subscription: JetStreamContext.PullSubscription, batch: int) -> list[Msg]:
         try:
-            return await self._subscription.fetch(batch=batch, timeout=self._options.fetch_timeout_s)
+            return await subscription.fetch(batch=batch, timeout=self._options.fetch_timeout_s)
         except TimeoutError:
             return []
         except (ConnectionClosedError, NoServersError, APIError) as error:
@@ -281,7 +300,7 @@ class WorkConsumer(Generic[TaskT]):
 
     async def _handle(self, msg: Msg) -> None:
         MESSAGES_IN.labels(stage=self.stage.value).inc()
-        if msg.metadata.num_delivered > 1:
+        if _deliveries(msg) > 1:
             REDELIVERIES.labels(stage=self.stage.value).inc()
         try:
             check_wire_version(msg.headers)
@@ -329,7 +348,7 @@ class WorkConsumer(Generic[TaskT]):
         with self._cancels.watch(task.request_id, task.reply_to) as cancelled:
             delivery = Delivery(
                 request_id=task.request_id,
-                num_delivered=msg.metadata.num_delivered,
+                num_delivered=_deliveries(msg),
                 queued_s=_queued_s(msg),
                 trace=TraceContext.from_headers(msg.headers).child(),
                 cancelled=cancelled,
@@ -362,7 +381,7 @@ class WorkConsumer(Generic[TaskT]):
 
     async def _progress_of(self, msg: Msg, request_id: str) -> Progress | None:
         """A redelivered task's journal (None on first delivery: nothing can have been streamed)."""
-        if msg.metadata.num_delivered <= 1:
+        if _deliveries(msg) <= 1:
             return None
         return await read_progress(self._js, self._names, request_id)
 
@@ -392,7 +411,7 @@ class WorkConsumer(Generic[TaskT]):
         return progress
 
     async def _retry_or_give_up(self, msg: Msg, reply: ReplySender, error: Exception) -> None:
-        delivery_count = msg.metadata.num_delivered
+        delivery_count = _deliveries(msg)
         if reply.frames_sent > 0:
             log.exception("task.failed_mid_stream", error=repr(error))
             await self._send_error(reply, ErrorCode.INTERNAL, f"failed mid-stream: {error}", retryable=True)
@@ -494,3 +513,9 @@ def _summarize(error: ValidationError, max_errors: int = 5) -> str:
         parts.append(f"{location}: {detail['msg']}")
     more = error.error_count() - max_errors
     return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
+
+
+def _deliveries(msg: Msg) -> int:
+    """Times this task was delivered, counting deliveries to a gone worker before it was unpinned (bus/router.py)."""
+    prior = (msg.headers or {}).get(PRIOR_DELIVERIES_HEADER, "0")
+    return msg.metadata.num_delivered + (int(prior) if prior.isdigit() else 0)

@@ -57,3 +57,14 @@ DEAD_LETTERS = Counter("conveyor_dead_letters_total", "Tasks kept in the dead-le
 # ack was lost) | holder_alive (the journal is fresh: handed back for later) | over_limit | over_max_seq_len |
 # not_migratable (guided decoding, n > 1)
 MIGRATIONS = Counter("conveyor_migrations_total", "Redelivered streaming requests, by what became of them", ["stage", "outcome"])
+
+# KV-aware routing (bus/router.py). outcome: hit (a replica held part of the prompt) | miss | shared (queue mode,
+# or no replica to choose)
+ROUTER_DECISIONS = Counter("conveyor_router_decisions_total", "Routing decisions of the processor", ["mode", "outcome"])
+ROUTER_PREDICTED_TOKENS = Counter("conveyor_router_predicted_cached_tokens_total",
+                                  "Prompt tokens the router expected the chosen replica to have cached")
+ROUTER_ACTUAL_TOKENS = Counter("conveyor_router_actual_cached_tokens_total",
+                               "Prompt tokens routed replicas found cached (compare with the predicted total)")
+KV_INDEX_BLOCKS = Gauge("conveyor_router_index_blocks", "Distinct KV blocks in the router's index")
+UNPINNED_TASKS = Counter("conveyor_unpinned_tasks_total", "Pinned tasks moved back to the shared queue (worker gone)",
+                         ["stage"])

@@ -19,6 +19,8 @@ from schemas.registry import Stage
 log = structlog.get_logger(__name__)
 
 MSG_ID_HEADER = "Nats-Msg-Id"
+# On a task moved from a gone worker's pinned subject to the shared queue: how often it was delivered there.
+PRIOR_DELIVERIES_HEADER = "Conveyor-Prior-Deliveries"
 # JetStream's answers to a publish into a stream at max_msgs / max_bytes with discard: new.
 _STREAM_FULL = {10077, 10078}
 
@@ -40,10 +42,13 @@ class TaskPublisher:
         self._retry_for_s = retry_for_s
 
     async def publish(
-        self, stage: Stage, task: WireModel, request_id: str, trace: TraceContext, model: str | None = None
+        self, stage: Stage, task: WireModel, request_id: str, trace: TraceContext, model: str | None = None,
+        worker_id: str | None = None,
     ) -> bool:
-        """Publish; returns False when JetStream discarded it as a duplicate."""
-        subject = self._names.work_subject(stage, model)
+        """Publish (to one replica's pinned subject when `worker_id` is given: bus/router.py); returns False
+        when JetStream discarded it as a duplicate."""
+        subject = (self._names.work_subject(stage, model) if worker_id is None
+                   else self._names.pinned_subject(stage, model, worker_id))
         payload = encode(task)
         if len(payload) > self.max_message_bytes:
             raise PayloadTooLarge(subject, len(payload), self.max_message_bytes)

@@ -194,6 +194,24 @@ def work_consumer_config(
     )
 
 
+def pinned_consumer_config(names: Names, stage: Stage, model: str | None, worker_id: str,
+                           settings: BusSettings) -> ConsumerConfig:
+    """One worker's own consumer of the tasks a router pinned to it. Left behind by a worker that died, it is
+    removed by the router that moves its tasks back to the shared queue, or by the server once idle."""
+    durable = names.pinned_consumer(stage, model, worker_id)
+    return ConsumerConfig(
+        name=durable,
+        durable_name=durable,
+        description=f"Conveyor {stage.value} worker {worker_id}: pinned tasks",
+        filter_subject=names.pinned_subject(stage, model, worker_id),
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=settings.ack_wait_s,
+        max_deliver=settings.max_deliver,
+        max_waiting=512,
+        inactive_threshold=settings.pinned_consumer_idle_s,
+    )
+
+
 async def ensure_work_consumer(js: JetStreamContext, config: ConsumerConfig, stream: str) -> None:
     await js.add_consumer(stream, config)
 

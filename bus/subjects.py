@@ -41,6 +41,13 @@ class Names:
         base = f"{self.namespace}.work.{stage.value}"
         return base if model is None else f"{base}.{model_token(model)}"
 
+    def pinned_subject(self, stage: Stage, model: str | None, worker_id: str) -> str:
+        """Work for one replica only: a router pinned it there (its prefix is cached there)."""
+        return f"{self.work_subject(stage, model)}.pinned.{worker_id}"
+
+    def pinned_consumer(self, stage: Stage, model: str | None, worker_id: str) -> str:
+        return f"{self.work_consumer(stage, model)}_pinned_{worker_id}"
+
     def work_stream(self, stage: Stage) -> str:
         return f"{self._prefix}_WORK_{stage.value.upper()}"
 

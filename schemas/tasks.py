@@ -102,6 +102,8 @@ class PrefillTask(Task):
     # Given by a router that chose it; otherwise the prefill worker draws one.
     bootstrap_room: int | None = Field(default=None, ge=0, lt=2**63)
     encoded_images: EncodedImages | None = None
+    # Set when a KV-aware router pinned the task: the prompt tokens it expected cached here.
+    predicted_cached_tokens: int | None = Field(default=None, ge=0)
 
 
 class DecodeTask(Task):
@@ -110,6 +112,8 @@ class DecodeTask(Task):
     # Present in disaggregated mode: join this room and receive the prompt's KV instead of prefilling.
     bootstrap: BootstrapInfo | None = None
     encoded_images: EncodedImages | None = None
+    # Set when a KV-aware router pinned the task: the prompt tokens it expected cached here.
+    predicted_cached_tokens: int | None = Field(default=None, ge=0)
 
 
 class EmbedTask(Task):

@@ -10,7 +10,7 @@ import pytest
 from schemas.kv_events import BlockStored
 from schemas.replies import FinishReason
 from schemas.sampling import StopConditions
-from workers.engines.kv_hashing import chain_hashes
+from schemas.kv_hashing import chain_hashes
 from workers.engines.mock import MockEngine, MockEngineConfig
 from workers.engines.protocol import Engine, GenerateOutput, GenerateRequest, MemoryTag
 

@@ -21,7 +21,7 @@ from schemas.codec import decode
 from schemas.kv_events import BlockStored, KvEventBatch
 from schemas.registry import ServingMode, Stage
 from schemas.replies import ErrorCode, FinalFrame, FinishReason
-from workers.engines.kv_hashing import chain_hashes
+from schemas.kv_hashing import chain_hashes
 from tests.conftest import Bus, bus_settings
 from tests.helpers import open_stream, wait_until
 from tests.pipeline_helpers import (

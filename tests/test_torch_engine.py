@@ -14,7 +14,7 @@ from schemas.sampling import GuidedDecoding, OutputOptions, SamplingOptions, Sto
 from workers.engines.protocol import (GenerateOutput, GenerateRequest, KvEventBatchOut, MemoryTag, ResumedOutput,
                                       UnsupportedOption)
 from workers.engines.detokenizer import IncrementalDetokenizer
-from workers.engines.kv_hashing import block_hash
+from schemas.kv_hashing import block_hash
 from workers.engines.torch_engine.engine import TorchEngine, TorchEngineConfig
 
 GREEDY = SamplingOptions(temperature=0.0)

@@ -217,6 +217,10 @@ ModelOption = Annotated[
 ]
 EngineOption = Annotated[str, typer.Option("--engine", envvar="CONVEYOR_ENGINE",
                                            help="torch (embedded, default), mock (simulated) or sglang (GPU).")]
+RouterOption = Annotated[str, typer.Option("--router", envvar="CONVEYOR_ROUTER", help=(
+    "Processor: how a prompt's replica is chosen. queue (the stage's shared queue: whichever replica pulls), "
+    "kv (the replica holding the longest cached prefix, against its load, from the KV-event stream), "
+    "round-robin or random."))]
 ModeOption = Annotated[str, typer.Option("--mode", envvar="CONVEYOR_MODE",
                                          help="aggregated (processor → decode; images encoded by the decode worker: EPD), "
                                               "disaggregated (→ prefill → decode), encode-aggregated (→ encode → decode: "
@@ -247,6 +251,13 @@ def worker(
         "mid-stream (0: never; the client gets a retryable worker_lost error, and no reply journal is kept)."))] = 3,
     migration_max_seq_len: Annotated[int | None, typer.Option(min=1, help=(
         "Decode: do not migrate a request whose prompt plus streamed tokens exceed this (default: no bound)."))] = None,
+    router: RouterOption = "queue",
+    router_temperature: Annotated[float, typer.Option(min=0.0, help=(
+        "Processor, --router kv: 0 sends each prompt to the cheapest replica; above 0 samples replicas by cost "
+        "(spreads a hot prefix)."))] = 0.0,
+    router_overlap_weight: Annotated[float, typer.Option(min=0.0, help=(
+        "Processor, --router kv: weight of the prompt blocks a replica would compute against the blocks it "
+        "holds for running requests."))] = 1.0,
     nats: NatsOption = None,
     namespace: NamespaceOption = None,
     log_level: LogLevelOption = "INFO",
@@ -260,6 +271,7 @@ def worker(
     from workers.engines.factory import EngineKind
     from workers.engines.torch_engine.loader import DEFAULT_MODEL
     from workers.runtime import WorkerOptions, WorkerRuntime
+    from bus.router import RouterMode, RouterOptions
     from workers.decode import MigrationPolicy
     from workers.stages import build_stage
 
@@ -268,7 +280,8 @@ def worker(
     stage_kind, serving_mode, engine_kind = Stage(stage), ServingMode(mode), EngineKind(engine)
     models = model or [DEFAULT_MODEL if engine_kind != EngineKind.MOCK else "mock"]
     built = build_stage(stage_kind, engine_kind, models, serving_mode, load_format,
-                        MigrationPolicy(migration_limit, migration_max_seq_len))
+                        MigrationPolicy(migration_limit, migration_max_seq_len),
+                        RouterOptions(RouterMode(router), router_overlap_weight, router_temperature))
     options = WorkerOptions(
         stage=stage_kind, model=models[0], mode=serving_mode, engine_name=engine_kind.value, http_host=http_host,
         http_port=http_port, max_concurrency=max_concurrency or _DEFAULT_CONCURRENCY.get(stage_kind, 32),
@@ -291,6 +304,7 @@ def up(
     ready_timeout_s: Annotated[float, typer.Option(help="Give up when the pipeline is not ready after this long.")] = 300.0,
     gateway: Annotated[bool, typer.Option("--gateway", help="Also serve the OpenAI API (see --gateway-port).")] = False,
     gateway_port: Annotated[int, typer.Option(help="Port of the OpenAI API with --gateway.")] = 8000,
+    router: RouterOption = "queue",
     nats: NatsOption = None,
     namespace: NamespaceOption = None,
     log_level: LogLevelOption = "WARNING",
@@ -317,7 +331,7 @@ def up(
     options = UpOptions(model=served, engine=engine, mode=ServingMode(mode), decode_replicas=decode_replicas,
                         question=ask_prompt, exit_after_question=exit_after, max_tokens=max_tokens, log_level=log_level,
                         load_format=load_format, ready_timeout_s=ready_timeout_s,
-                        gateway_port=gateway_port if gateway else None)
+                        gateway_port=gateway_port if gateway else None, router=router)
     raise typer.Exit(asyncio.run(run_up(nats_settings, bus_settings, embedded, options)))
 
 

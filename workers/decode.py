@@ -44,7 +44,8 @@ import structlog
 from bus.consumer import Delivery
 from bus.errors import RejectRequest
 from bus.journal import Progress
-from bus.metrics import END_TO_END, INTER_TOKEN_LATENCY, MIGRATIONS, QUEUE_SECONDS, REQUESTS, TIME_TO_FIRST_TOKEN
+from bus.metrics import (END_TO_END, INTER_TOKEN_LATENCY, MIGRATIONS, QUEUE_SECONDS, REQUESTS, ROUTER_ACTUAL_TOKENS,
+                         TIME_TO_FIRST_TOKEN)
 from bus.replies import ReplySender
 from schemas.client import StreamFormat
 from schemas.registry import Stage
@@ -201,6 +202,8 @@ class DecodeStage:
                         INTER_TOKEN_LATENCY.labels(model=self.model).observe(now - last_token_s)
                     last_token_s = now
                 if output.finished:
+                    if task.predicted_cached_tokens is not None and not num_streamed:
+                        ROUTER_ACTUAL_TOKENS.inc(output.cached_tokens)  # a router chose this replica for its cache
                     return await self._finish(output, shape, reply, delivery, len(task.request.token_ids), num_streamed)
                 await reply.send_tokens(output.token_ids, **shape.chunk(output))
         except UnsupportedOption as error:

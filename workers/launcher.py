@@ -43,6 +43,8 @@ class UpOptions:
     log_level: str = "WARNING"
     # Also serve the OpenAI API on this port (None: no gateway).
     gateway_port: int | None = None
+    # The processor's routing mode (queue, kv, round-robin, random).
+    router: str = "queue"
 
 
 def stages_for(mode: ServingMode) -> list[Stage]:
@@ -115,7 +117,7 @@ async def _gateway(nats: NatsSettings, bus: BusSettings, port: int | None) -> As
 def _spawn(stage: Stage, nats: NatsSettings, bus: BusSettings, options: UpOptions) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "workers.cli", "worker", stage.value, "--model", options.model,
                "--engine", options.engine, "--mode", options.mode.value, "--log-level", options.log_level,
-               "--load-format", options.load_format]
+               "--load-format", options.load_format] + (["--router", options.router] if stage == Stage.PROCESSOR else [])
     env = {**os.environ, "CONVEYOR_NATS_URLS": ",".join(nats.urls), "CONVEYOR_NAMESPACE": bus.namespace}
     progress(f"starting {stage.value} worker ({options.engine} engine)")
     # SIGTERM when `up` dies, even by SIGKILL: the worker drains and deregisters instead of lingering.

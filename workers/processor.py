@@ -10,6 +10,12 @@ gets one placeholder token per image and goes to `{ns}.work.encode.{model}` (`En
 decode as the next stage, by the encode workers' mode) when encode workers are live, else, with its images, to an
 LLM worker that encodes in-process (EPD).
 
+Routing (`--router`, bus/router.py): `queue` leaves a text prompt's task on the stage's shared queue;
+`kv` pins it to the replica of the prompt-running stage (decode aggregated, prefill disaggregated) whose
+cached prefix, against its load, makes it cheapest (an index built from the KV-event stream);
+`round-robin` and `random` pin without looking. Tasks pinned to a replica that dies go back to the
+shared queue. Requests with images use the shared queue.
+
 Emits to the client only errors; the stage that finishes the request streams the reply.
 
 Fails how (each an error frame to the inbox, then ack; the processor goes on serving):
@@ -36,6 +42,7 @@ from bus.consumer import Delivery
 from bus.errors import RejectRequest
 from bus.metrics import QUEUE_SECONDS, REQUESTS
 from bus.registry import REQUIRED_STAGES
+from bus.router import Router, RouterOptions
 from schemas.client import (
     CLIENT_REQUEST,
     ChatRequest,
@@ -91,8 +98,10 @@ class ProcessorStage:
     accepts_media = False
     journals_replies = False
 
-    def __init__(self, models: dict[str, ServedModel]) -> None:
+    def __init__(self, models: dict[str, ServedModel], router: RouterOptions = RouterOptions()) -> None:
         self._models = models
+        self._router_options = router
+        self._router: Router | None = None
         self._context: StageContext | None = None
         self._cards: list[WorkerCard] = []
         self._cards_at_s = 0.0
@@ -112,12 +121,16 @@ class ProcessorStage:
     async def start(self, context: StageContext) -> None:
         self._context = context
         self._ready_grace_s = 3 * context.settings.registry_ttl_s
+        self._router = context.make_router(self._router_options)
+        await self._router.start()
         self._watcher = asyncio.create_task(self._watch_registry(context.settings.registry_ttl_s / 2))
 
     async def stop(self) -> None:
         if self._watcher is not None:
             self._watcher.cancel()
             await asyncio.gather(self._watcher, return_exceptions=True)
+        if self._router is not None:
+            await self._router.stop()
 
     async def _watch_registry(self, interval_s: float) -> None:
         """Keep the view of ready stages fresh between requests, so a replica that has routed nothing yet
@@ -127,7 +140,11 @@ class ProcessorStage:
             try:
                 # Only remembered, not cached for routing: a request must not be routed on a view
                 # older than its own arrival needs (a worker that registered since).
-                self._remember_ready(await self._context.list_workers())
+                cards = await self._context.list_workers()
+                self._remember_ready(cards)
+                if self._router is not None:
+                    # Gone workers leave the index, and their pinned tasks go back to the shared queue.
+                    self._router.forget_gone(cards)
             except Exception as error:  # the registry is recovering; the next look will do
                 log.debug("processor.registry_unreadable", error=repr(error))
             await asyncio.sleep(interval_s)
@@ -168,13 +185,18 @@ class ProcessorStage:
             await self._route_multimodal(header, preprocessed, model, delivery)
             return
         mode = await self._mode_of(model.name)
-        task: DecodeTask | PrefillTask
-        if mode == ServingMode.DISAGGREGATED:
-            task, stage = PrefillTask(header=header, request=preprocessed), Stage.PREFILL
-        else:
-            task, stage = DecodeTask(header=header, request=preprocessed), Stage.DECODE
-        await self._forward(stage, task, request.request_id, delivery, model.name)
-        log.info("processor.routed", to=stage.value, prompt_tokens=len(token_ids), mode=mode.value)
+        # The stage that runs the prompt is the one whose prefix cache a router can aim at.
+        stage = Stage.PREFILL if mode == ServingMode.DISAGGREGATED else Stage.DECODE
+        assert self._router is not None
+        route = self._router.route(stage, model.name, token_ids, await self._live_cards())
+        predicted = route.predicted_cached_tokens if route is not None else None
+        task: DecodeTask | PrefillTask = (
+            PrefillTask(header=header, request=preprocessed, predicted_cached_tokens=predicted)
+            if stage == Stage.PREFILL else DecodeTask(header=header, request=preprocessed, predicted_cached_tokens=predicted))
+        await self._forward(stage, task, request.request_id, delivery, model.name,
+                            worker_id=route.worker_id if route is not None else None)
+        log.info("processor.routed", to=stage.value, prompt_tokens=len(token_ids), mode=mode.value,
+                 worker_id=route.worker_id if route is not None else None)
 
     async def _route_multimodal(self, header: TaskHeader, request: PreprocessedRequest, model: ServedModel,
                                 delivery: Delivery) -> None:
@@ -230,12 +252,14 @@ class ProcessorStage:
                          dimensions=request.dimensions)
         await self._forward(Stage.EMBED, task, request.request_id, delivery, model.name)
 
-    async def _forward(self, stage: Stage, task: WireModel, request_id: str, delivery: Delivery, model: str) -> None:
+    async def _forward(self, stage: Stage, task: WireModel, request_id: str, delivery: Delivery, model: str,
+                       worker_id: str | None = None) -> None:
         """Publish the next stage's task. JetStream drops a task whose request id it saw within the dedupe
         window: expected when this task was redelivered (it went out before), but on a first delivery it
         means another request used the id, and that request would be dropped without a word."""
         assert self._context is not None
-        published = await self._context.publisher.publish(stage, task, request_id, delivery.trace, model=model)
+        published = await self._context.publisher.publish(stage, task, request_id, delivery.trace, model=model,
+                                                          worker_id=worker_id)
         if not published and delivery.num_delivered == 1:
             raise RejectRequest(ErrorCode.INVALID_REQUEST,
                                 f"request id {request_id!r} is in use by another request (within the last "

@@ -40,6 +40,7 @@ from bus.lifecycle import sleep_unless, stop_tasks
 from bus.metrics import CACHE_HIT_RATE, ENGINE_RUNNING, ENGINE_WAITING, KV_EVENT_BATCHES, KV_USAGE, WORKER_READY
 from bus.publish import TaskPublisher
 from bus.registry import Registration, live_workers
+from bus.router import Router, RouterOptions
 from bus.settings import BusSettings, NatsSettings
 from bus.streams import declare_all, declare_all_when_ready, ensure_registry_bucket
 from bus.subjects import Names
@@ -83,6 +84,8 @@ class StageContext:
     publisher: TaskPublisher
     list_workers: Callable[[], Awaitable[list[WorkerCard]]]
     worker_id: str
+    # A KV-aware router over this bus (the processor's), not started.
+    make_router: Callable[[RouterOptions], Router]
 
 
 class PipelineStage(Protocol):
@@ -180,6 +183,7 @@ class WorkerRuntime:
                 names=self._names, settings=self._bus,
                 publisher=TaskPublisher(js, self._names, min(self._bus.max_message_bytes, nc.max_payload)),
                 list_workers=lambda: live_workers(bucket), worker_id=self.options.worker_id,
+                make_router=lambda options: Router(js, self._names, self._bus, options),
             )
             log.info("worker.starting", model=self.options.model, mode=self.options.mode.value)
             await self._stage.start(context)
@@ -188,7 +192,9 @@ class WorkerRuntime:
                 cancels, worker_id=self.options.worker_id, model=self._stage.consumes_model,
                 options=ConsumerOptions(max_concurrency=self.options.max_concurrency,
                                         coalesce_window_s=self.options.coalesce_window_s,
-                                        journal_replies=self._stage.journals_replies),
+                                        journal_replies=self._stage.journals_replies,
+                                        # The stages that run prompts: a router may pin a task to one replica.
+                                        pinned=self.options.stage in (Stage.DECODE, Stage.PREFILL)),
             )
             await self._stage.canary()
             await self._consumer.bind()

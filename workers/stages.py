@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import uuid
 
+from bus.router import RouterOptions
 from workers.decode import DecodeStage, MigrationPolicy
 from workers.embed import EmbedStage
 from workers.encode import EncodeStage
@@ -21,9 +22,9 @@ MOCK_CONTEXT_LENGTH = 8192
 
 
 def build_stage(stage: Stage, kind: EngineKind, models: list[str], mode: ServingMode, load_format: str,
-                migration: MigrationPolicy | None = None) -> PipelineStage:
+                migration: MigrationPolicy | None = None, router: RouterOptions = RouterOptions()) -> PipelineStage:
     if stage == Stage.PROCESSOR:
-        return ProcessorStage({name: served_model(kind, name) for name in models})
+        return ProcessorStage({name: served_model(kind, name) for name in models}, router)
     if len(models) != 1:
         raise ValueError(f"a {stage.value} worker serves exactly one model (got {len(models)})")
     model = models[0]

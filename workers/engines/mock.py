@@ -23,7 +23,7 @@ from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEve
 from schemas.registry import BootstrapEndpoint
 from schemas.replies import FinishReason
 from workers.engines.events import KvEventFanout
-from workers.engines.kv_hashing import chain_hashes
+from schemas.kv_hashing import chain_hashes
 from workers.engines.protocol import (
     EngineInfo,
     EngineLoad,

@@ -1,7 +1,7 @@
 """KV-cache blocks: allocation, reference counts, the prefix cache, and the KV events they cause.
 
 A block holds `block_size` tokens' K/V. A full block is keyed by a chained hash of its tokens and
-all tokens before it (`workers.engines.kv_hashing`), so equal prefixes find equal blocks. A block nobody references but whose content is hashed stays cached (evictable, least
+all tokens before it (`schemas.kv_hashing`), so equal prefixes find equal blocks. A block nobody references but whose content is hashed stays cached (evictable, least
 recently used first) until its memory is needed: then it is evicted and a `BlockRemoved` event
 says so. Registering a newly computed full block emits `BlockStored`.
 """
@@ -12,7 +12,7 @@ from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
 
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
-from workers.engines.kv_hashing import block_hash
+from schemas.kv_hashing import block_hash
 
 if TYPE_CHECKING:
     from workers.engines.torch_engine.sequence import Sequence

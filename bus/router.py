@@ -1,0 +1,284 @@
+"""KV-aware routing on the bus: the processor's choice of replica, the index feed, pinned tasks.
+
+Design. A routed stage (decode when aggregated, prefill when disaggregated) has, besides the shared
+queue `{ns}.work.{stage}.{model}` that every replica pulls, one subject per replica,
+`{ns}.work.{stage}.{model}.pinned.{worker_id}`, pulled only by that replica through a durable consumer
+of its own (same work-queue stream; the filters do not overlap, as JetStream requires). The router
+in each processor replica publishes a task to the pinned subject of the replica it chose, or to the
+shared queue (`queue` mode, or when no replica can be chosen). Per-worker subjects rather than one
+consumer per worker over a shared subject keep the shared queue exactly as it was: `queue` mode and
+unrouted stages see no change, and a pinned task is visible as such in the stream.
+
+A pinned task never strands: when a worker's card leaves the registry (SIGKILL, lost machine) the
+router moves whatever its pinned consumer still holds — queued, or delivered and never acked — back
+to the shared queue (`unpin`), and a worker that stops cleanly does the same for itself.
+
+Every processor replica keeps its own `KvIndex`, fed from `{NS}_KV_EVENTS` by an ordered consumer
+from the start of the stream (its max age bounds the replay). A worker whose batch numbers skip is
+replayed from the stream alone (its live batches wait meanwhile); a worker whose card expired is
+dropped from the index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import random
+import time
+from collections import deque
+from dataclasses import dataclass
+from enum import StrEnum
+
+import structlog
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
+
+from bus.kv_index import Candidate, KvIndex, choose
+from bus.metrics import KV_INDEX_BLOCKS, ROUTER_DECISIONS, ROUTER_PREDICTED_TOKENS, UNPINNED_TASKS
+from bus.publish import MSG_ID_HEADER, PRIOR_DELIVERIES_HEADER
+from bus.settings import BusSettings
+from bus.subjects import Names
+from schemas.codec import decode
+from schemas.kv_events import KvEventBatch
+from schemas.kv_hashing import chain_hashes
+from schemas.registry import Stage, WorkerCard
+
+log = structlog.get_logger(__name__)
+
+# How fast the prompt blocks a router sent a worker stop counting as its load (they are being computed).
+_RECENT_FADE_S = 0.5
+
+
+class RouterMode(StrEnum):
+    QUEUE = "queue"  # the shared queue: whichever replica pulls first (no router)
+    KV = "kv"  # the replica holding the longest prefix, against its load
+    ROUND_ROBIN = "round-robin"
+    RANDOM = "random"
+
+
+@dataclass(frozen=True, slots=True)
+class RouterOptions:
+    mode: RouterMode = RouterMode.QUEUE
+    # Weight of the blocks a replica would have to compute, against the blocks it holds for running requests.
+    overlap_weight: float = 1.0
+    # 0: always the cheapest replica; above 0: softmax sampling over the costs (spreads hot prefixes).
+    temperature: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    worker_id: str
+    predicted_cached_tokens: int
+
+
+class Router:
+    """Chooses replicas for one processor; `start()` feeds its index, `stop()` ends that."""
+
+    def __init__(self, js: JetStreamContext, names: Names, settings: BusSettings, options: RouterOptions) -> None:
+        self.options = options
+        self._js = js
+        self._names = names
+        self._settings = settings
+        self.index = KvIndex()
+        self._feed = KvEventFeed(js, names, self.index)
+        self._turn = itertools.count()
+        self._rng = random.Random()
+        # Prompt blocks sent to each worker lately: its card's KV use does not show them yet.
+        self._recent: dict[str, deque[tuple[float, int]]] = {}
+        # (stage, model, worker) this router pinned tasks to, to unpin when the worker is gone.
+        self._pinned_to: set[tuple[Stage, str, str]] = set()
+        self._unpinning: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        if self.options.mode == RouterMode.KV:
+            await self._feed.start()
+
+    async def stop(self) -> None:
+        await self._feed.stop()
+        for task in list(self._unpinning):
+            task.cancel()
+        await asyncio.gather(*self._unpinning, return_exceptions=True)
+
+    def route(self, stage: Stage, model: str, token_ids: list[int], cards: list[WorkerCard]) -> Route | None:
+        """The replica to pin this prompt to; None: the shared queue."""
+        workers = sorted((c for c in cards if c.stage == stage and c.model == model and c.ready),
+                         key=lambda c: c.worker_id)
+        if self.options.mode == RouterMode.QUEUE or not workers:
+            ROUTER_DECISIONS.labels(mode=self.options.mode.value, outcome="shared").inc()
+            return None
+        if self.options.mode == RouterMode.ROUND_ROBIN:
+            chosen, cached_blocks, block_size = workers[next(self._turn) % len(workers)], 0, 1
+        elif self.options.mode == RouterMode.RANDOM:
+            chosen, cached_blocks, block_size = self._rng.choice(workers), 0, 1
+        else:
+            chosen, cached_blocks, block_size = self._by_kv(workers, token_ids)
+        self._pinned_to.add((stage, model, chosen.worker_id))
+        self._note_sent(chosen.worker_id, len(token_ids) // block_size - cached_blocks)
+        predicted = cached_blocks * block_size
+        ROUTER_DECISIONS.labels(mode=self.options.mode.value, outcome="hit" if predicted else "miss").inc()
+        ROUTER_PREDICTED_TOKENS.inc(predicted)
+        return Route(chosen.worker_id, predicted)
+
+    def forget_gone(self, live_cards: list[WorkerCard]) -> None:
+        """Drop the index entries of workers whose cards expired and unpin their tasks (in the background)."""
+        live = {card.worker_id for card in live_cards}
+        for worker_id in set(self.index.workers) - live:
+            self.index.forget_worker(worker_id)
+        for stage, model, worker_id in [key for key in self._pinned_to if key[2] not in live]:
+            self._pinned_to.discard((stage, model, worker_id))
+            task = asyncio.create_task(unpin(self._js, self._names, self._settings, stage, model, worker_id))
+            self._unpinning.add(task)
+            task.add_done_callback(self._unpinning.discard)
+        KV_INDEX_BLOCKS.set(self.index.num_blocks)
+
+    def _by_kv(self, workers: list[WorkerCard], token_ids: list[int]) -> tuple[WorkerCard, int, int]:
+        cached = self.index.cached_blocks(token_ids, [w.worker_id for w in workers])
+        block_size = next((size for w in workers if (size := self.index.block_size_of(w.worker_id))), None)
+        block_size = block_size or next((w.kv.block_size for w in workers if w.kv is not None), 16)
+        candidates = [Candidate(w.worker_id, cached[w.worker_id], self._load_blocks(w)) for w in workers]
+        best = choose(candidates, len(token_ids) // block_size, self.options.overlap_weight, self.options.temperature,
+                      self._rng)
+        return next(w for w in workers if w.worker_id == best.worker_id), best.cached_blocks, block_size
+
+    def _load_blocks(self, card: WorkerCard) -> float:
+        """Blocks the worker holds for running requests (its card, rewritten every third of the registry TTL),
+        plus the prompt blocks this router sent it lately, fading as they are likely computed by now."""
+        used = card.kv.used_blocks if card.kv is not None else 0
+        now = time.monotonic()
+        return used + sum(blocks * math.exp(-(now - sent_s) / _RECENT_FADE_S)
+                          for sent_s, blocks in self._recent.get(card.worker_id, ()))
+
+    def _note_sent(self, worker_id: str, blocks: int) -> None:
+        recent = self._recent.setdefault(worker_id, deque())
+        now = time.monotonic()
+        recent.append((now, max(0, blocks)))
+        while recent and recent[0][0] < now - 5 * _RECENT_FADE_S:
+            recent.popleft()
+
+
+class KvEventFeed:
+    """Keeps a `KvIndex` current from the KV-event stream; replays a worker whose batches skipped."""
+
+    def __init__(self, js: JetStreamContext, names: Names, index: KvIndex) -> None:
+        self._js = js
+        self._names = names
+        self._index = index
+        self._subscription: Subscription | None = None
+        # Workers being replayed, with the live batches that arrived meanwhile.
+        self._held: dict[str, list[KvEventBatch]] = {}
+        self._replays: set[asyncio.Task[None]] = set()
+        self.replays_done = 0
+
+    async def start(self) -> None:
+        self._subscription = await self._js.subscribe(
+            self._names.kv_events_subjects, stream=self._names.kv_events_stream, cb=self._on_message,
+            ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+
+    async def stop(self) -> None:
+        if self._subscription is not None:
+            await self._subscription.unsubscribe()
+            self._subscription = None
+        for task in list(self._replays):
+            task.cancel()
+        await asyncio.gather(*self._replays, return_exceptions=True)
+
+    async def _on_message(self, msg: Msg) -> None:
+        try:
+            batch = decode(msg.data, KvEventBatch)
+        except Exception as error:  # not ours to fix; the index simply does not learn from it
+            log.warning("router.bad_kv_batch", subject=msg.subject, error=repr(error))
+            return
+        self.apply(batch)
+
+    def apply(self, batch: KvEventBatch) -> None:
+        held = self._held.get(batch.worker_id)
+        if held is not None:
+            held.append(batch)
+            return
+        missed = self._index.apply(batch)
+        if missed:
+            log.warning("router.kv_gap", worker_id=batch.worker_id, missed=f"{missed.start}..{missed.stop - 1}")
+            self._held[batch.worker_id] = []
+            task = asyncio.create_task(self._replay(batch.worker_id))
+            self._replays.add(task)
+            task.add_done_callback(self._replays.discard)
+
+    async def _replay(self, worker_id: str) -> None:
+        """Rebuild one worker's blocks from every batch the stream still has of it."""
+        self._index.forget_worker(worker_id)
+        try:
+            for batch in await read_worker_batches(self._js, self._names, worker_id):
+                self._index.apply(batch)
+        finally:
+            for batch in self._held.pop(worker_id, []):
+                self._index.apply(batch)
+        self.replays_done += 1
+
+
+async def read_worker_batches(js: JetStreamContext, names: Names, worker_id: str,
+                              timeout_s: float = 2.0) -> list[KvEventBatch]:
+    """Every batch of one worker the KV-event stream holds, in order."""
+    config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE, inactive_threshold=30.0)
+    subscription = await js.pull_subscribe(names.kv_events_subject(worker_id), stream=names.kv_events_stream,
+                                           config=config)
+    batches: list[KvEventBatch] = []
+    try:
+        while True:
+            try:
+                messages = await subscription.fetch(batch=256, timeout=timeout_s)
+            except TimeoutError:
+                break
+            batches += [decode(m.data, KvEventBatch) for m in messages]
+            if messages[-1].metadata.num_pending == 0:
+                break
+    finally:
+        await subscription.unsubscribe()
+    return batches
+
+
+async def unpin(js: JetStreamContext, names: Names, settings: BusSettings, stage: Stage, model: str | None,
+                worker_id: str) -> int:
+    """Move one worker's pinned tasks back to its stage's shared queue; how many moved.
+
+    Binds the worker's own durable consumer, so a task it had pulled and never acked comes back after the
+    ack wait too. A second copy of the same move (two processors both noticed) is harmless: each task is
+    delivered to one of them, and the shared queue drops a re-published one as a duplicate."""
+    durable = names.pinned_consumer(stage, model, worker_id)
+    stream = names.work_stream(stage)
+    try:
+        subscription = await js.pull_subscribe_bind(durable=durable, stream=stream)
+    except NotFoundError:
+        return 0
+    moved, deadline = 0, time.monotonic() + settings.ack_wait_s + 2.0
+    try:
+        while time.monotonic() < deadline:
+            try:
+                messages = await subscription.fetch(batch=64, timeout=0.5)
+            except TimeoutError:
+                info = await js.consumer_info(stream, durable)
+                if info.num_pending == 0 and info.num_ack_pending == 0:
+                    break
+                continue
+            for message in messages:
+                headers = dict(message.headers or {})
+                headers[MSG_ID_HEADER] = f"{headers.get(MSG_ID_HEADER, message.reply)}:unpinned"
+                # Deliveries to the gone worker (not this one): the next replica reads the reply journal
+                # when the task may have started streaming there.
+                prior = int(headers.get(PRIOR_DELIVERIES_HEADER, 0)) + message.metadata.num_delivered - 1
+                headers[PRIOR_DELIVERIES_HEADER] = str(prior)
+                await js.publish(names.work_subject(stage, model), message.data, headers=headers)
+                await message.ack()
+                moved += 1
+                UNPINNED_TASKS.labels(stage=stage.value).inc()
+        await js.delete_consumer(stream, durable)
+    except NotFoundError:
+        pass  # another router finished the move
+    finally:
+        await subscription.unsubscribe()
+    if moved:
+        log.info("router.unpinned", worker_id=worker_id, stage=stage.value, tasks=moved)
+    return moved
