@@ -44,7 +44,6 @@ from bus.settings import BusSettings
 from bus.subjects import Names
 from schemas.codec import decode
 from schemas.kv_events import KvEventBatch
-from schemas.kv_hashing import chain_hashes
 from schemas.registry import Stage, WorkerCard
 
 log = structlog.get_logger(__name__)

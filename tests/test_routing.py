@@ -24,9 +24,9 @@ from tests.pipeline_helpers import (
     wait_for_workers,
     worker_processes,
 )
+from workers.engines.factory import EngineKind
 from workers.processor import ProcessorStage
 from workers.stages import served_model
-from workers.engines.factory import EngineKind
 
 BLOCK = 16
 
