@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 import structlog
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
@@ -44,7 +45,7 @@ from bus.settings import BusSettings
 from bus.subjects import Names
 from schemas.codec import decode
 from schemas.kv_events import KvEventBatch
-from schemas.registry import Stage, WorkerCard
+from schemas.registry import Stage, WorkerCard, WorkerLoad
 
 log = structlog.get_logger(__name__)
 
@@ -77,8 +78,10 @@ class Route:
 class Router:
     """Chooses replicas for one processor; `start()` feeds its index, `stop()` ends that."""
 
-    def __init__(self, js: JetStreamContext, names: Names, settings: BusSettings, options: RouterOptions) -> None:
+    def __init__(self, nc: Client, js: JetStreamContext, names: Names, settings: BusSettings,
+                 options: RouterOptions) -> None:
         self.options = options
+        self._nc = nc
         self._js = js
         self._names = names
         self._settings = settings
@@ -91,12 +94,18 @@ class Router:
         # (stage, model, worker) this router pinned tasks to, to unpin when the worker is gone.
         self._pinned_to: set[tuple[Stage, str, str]] = set()
         self._unpinning: set[asyncio.Task[None]] = set()
+        # Each worker's last load report (`{ns}.load.{worker_id}`), and when it came.
+        self._loads: dict[str, tuple[float, WorkerLoad]] = {}
+        self._load_subscription: Subscription | None = None
 
     async def start(self) -> None:
         if self.options.mode == RouterMode.KV:
             await self._feed.start()
+            self._load_subscription = await self._nc.subscribe(self._names.load_subjects, cb=self._on_load)
 
     async def stop(self) -> None:
+        if self._load_subscription is not None:
+            await self._load_subscription.unsubscribe()
         await self._feed.stop()
         for task in list(self._unpinning):
             task.cancel()
@@ -127,6 +136,8 @@ class Router:
         live = {card.worker_id for card in live_cards}
         for worker_id in set(self.index.workers) - live:
             self.index.forget_worker(worker_id)
+        for worker_id in set(self._loads) - live:
+            del self._loads[worker_id]
         for stage, model, worker_id in [key for key in self._pinned_to if key[2] not in live]:
             self._pinned_to.discard((stage, model, worker_id))
             task = asyncio.create_task(unpin(self._js, self._names, self._settings, stage, model, worker_id))
@@ -143,13 +154,26 @@ class Router:
                       self._rng)
         return next(w for w in workers if w.worker_id == best.worker_id), best.cached_blocks, block_size
 
+    async def _on_load(self, msg: Msg) -> None:
+        try:
+            report = decode(msg.data, WorkerLoad)
+        except Exception as error:  # a stray publisher; its reports are ignored
+            log.debug("router.bad_load_report", subject=msg.subject, error=repr(error))
+            return
+        self._loads[report.worker_id] = (time.monotonic(), report)
+
     def _load_blocks(self, card: WorkerCard) -> float:
-        """Blocks the worker holds for running requests (its card, rewritten every third of the registry TTL),
-        plus the prompt blocks this router sent it lately, fading as they are likely computed by now."""
-        used = card.kv.used_blocks if card.kv is not None else 0
+        """Blocks the worker holds for running requests — from its last load report (≤ 50 ms old while it
+        changes), else its card (seconds old) — plus the prompt blocks this router sent it since, fading as
+        they are likely computed by now."""
+        reported = self._loads.get(card.worker_id)
+        if reported is not None:
+            since_s, used = reported[0], reported[1].kv_used_blocks
+        else:
+            since_s, used = 0.0, card.kv.used_blocks if card.kv is not None else 0
         now = time.monotonic()
         return used + sum(blocks * math.exp(-(now - sent_s) / _RECENT_FADE_S)
-                          for sent_s, blocks in self._recent.get(card.worker_id, ()))
+                          for sent_s, blocks in self._recent.get(card.worker_id, ()) if sent_s > since_s)
 
     def _note_sent(self, worker_id: str, blocks: int) -> None:
         recent = self._recent.setdefault(worker_id, deque())

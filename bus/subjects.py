@@ -79,6 +79,13 @@ class Names:
     def control_stream(self) -> str:
         return f"{self._prefix}_CONTROL"
 
+    def load_subject(self, worker_id: str) -> str:
+        return f"{self.namespace}.load.{worker_id}"
+
+    @property
+    def load_subjects(self) -> str:
+        return f"{self.namespace}.load.*"
+
     def kv_events_subject(self, worker_id: str) -> str:
         return f"{self.namespace}.kv.{worker_id}"
 

@@ -58,3 +58,13 @@ class WorkerCard(WireModel):
     # Takes image requests itself: an encode worker, or an LLM worker that encodes in-process (EPD).
     accepts_media: bool = False
     wire_version: int
+
+
+class WorkerLoad(WireModel):
+    """An engine's load as it changes, on `{ns}.load.{worker_id}` (core NATS, at most every 50 ms): what a
+    KV-aware router weighs against cached prefixes. The registry card's copy is seconds old."""
+
+    worker_id: str
+    kv_used_blocks: int = Field(ge=0)
+    running_requests: int = Field(ge=0)
+    waiting_requests: int = Field(ge=0)

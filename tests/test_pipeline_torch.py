@@ -3,6 +3,7 @@ cancel during prefill stops the request and frees the prefill engine's blocks.""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from schemas.registry import ServingMode, Stage
@@ -80,3 +81,26 @@ async def test_cancel_during_prefill_tells_the_client_and_frees_the_prefill_bloc
         # The workers keep serving.
         _, text, after = await answer(bus, QUESTIONS[0])
         assert after.finish_reason == FinishReason.STOP and "Paris" in text
+
+
+async def test_kv_routing_sends_a_repeated_prefix_to_the_torch_replica_that_cached_it(bus: Bus) -> None:
+    from bus.router import RouterMode, RouterOptions
+
+    routed = ProcessorStage({DEFAULT_MODEL: served_model(EngineKind.TORCH, DEFAULT_MODEL)}, RouterOptions(RouterMode.KV))
+    decoders = [DecodeStage(engine(), DEFAULT_MODEL) for _ in range(2)]
+    system = "You are a terse assistant who answers in one short sentence, never more, and never asks back. " * 3
+    async with running_workers(bus, [(Stage.PROCESSOR, routed)] + [(Stage.DECODE, d) for d in decoders],
+                               model=DEFAULT_MODEL):
+        first = await answer(bus, system + "What is the capital of France?")
+        assert routed._router is not None
+        await wait_until(lambda: routed._router is not None and routed._router.index.num_blocks > 0, timeout_s=10)
+        repeats = []
+        for question in ("Name a colour.", "Name a fruit.", "Name a city."):
+            # Let the last answer's engine report itself idle (load reports come at most every 50 ms): the router
+            # weighs a replica's running requests against its cache, and a busy holder may rightly be passed over.
+            await asyncio.sleep(0.3)
+            repeats.append(await answer(bus, system + question))
+    prompt_blocks = first[2].usage.prompt_tokens // 16
+    assert first[2].usage.cached_tokens == 0
+    # The system prompt's blocks (all but the last few of the prompt) were found cached every time.
+    assert all(r[2].usage.cached_tokens >= (prompt_blocks - 3) * 16 for r in repeats), [r[2].usage for r in repeats]

@@ -44,8 +44,8 @@ from bus.router import Router, RouterOptions
 from bus.settings import BusSettings, NatsSettings
 from bus.streams import declare_all, declare_all_when_ready, ensure_registry_bucket
 from bus.subjects import Names
-from schemas.codec import WIRE_VERSION
-from schemas.registry import BootstrapEndpoint, KvCapacity, ServingMode, Stage, WorkerCard
+from schemas.codec import WIRE_VERSION, encode
+from schemas.registry import BootstrapEndpoint, KvCapacity, ServingMode, Stage, WorkerCard, WorkerLoad
 from workers.engines.protocol import Engine, MemoryTag
 from workers.http import HealthServer
 
@@ -183,7 +183,7 @@ class WorkerRuntime:
                 names=self._names, settings=self._bus,
                 publisher=TaskPublisher(js, self._names, min(self._bus.max_message_bytes, nc.max_payload)),
                 list_workers=lambda: live_workers(bucket), worker_id=self.options.worker_id,
-                make_router=lambda options: Router(js, self._names, self._bus, options),
+                make_router=lambda options: Router(nc, js, self._names, self._bus, options),
             )
             log.info("worker.starting", model=self.options.model, mode=self.options.mode.value)
             await self._stage.start(context)
@@ -204,7 +204,7 @@ class WorkerRuntime:
             )
             await self._registration.open()
             self._set_ready(None)
-            self._start_background(js)
+            self._start_background(nc, js)
             consumer_loop = asyncio.create_task(self._consumer.run(), name="consumer")
             log.info("worker.ready", http=self._health.url, consumer=self._names.work_consumer(
                 self.options.stage, self._stage.consumes_model))
@@ -298,13 +298,14 @@ class WorkerRuntime:
             accepts_media=self._stage.accepts_media,
         )
 
-    def _start_background(self, js: Any) -> None:
+    def _start_background(self, nc: Any, js: Any) -> None:
         engine = self._stage.engine
         self._background.append(asyncio.create_task(self._refresh_loop(), name="refresh"))
         if engine is not None:
             publisher = KvEventPublisher(js, self._names, self.options.worker_id)
             self._background.append(asyncio.create_task(self._relay_kv_events(engine, publisher), name="kv-events"))
             self._background.append(asyncio.create_task(self._canary_loop(), name="canary"))
+            self._background.append(asyncio.create_task(self._report_load(engine, nc), name="load"))
 
     async def _relay_kv_events(self, engine: Engine, publisher: KvEventPublisher) -> None:
         async for batch in engine.kv_events():
@@ -315,6 +316,22 @@ class WorkerRuntime:
                 KV_EVENT_BATCHES.labels(stage=self.options.stage.value).inc()
             except Exception as error:  # NATS away: the batch number is kept, readers see no gap
                 log.warning("kv_events.publish_failed", error=repr(error))
+
+    async def _report_load(self, engine: Engine, nc: Any, interval_s: float = 0.05) -> None:
+        """The engine's load on `{ns}.load.{worker_id}` whenever it changed: routers weigh it per request."""
+        subject, last = self._names.load_subject(self.options.worker_id), None
+        while not await sleep_unless(self._stopping, interval_s):
+            load = engine.load()
+            now = (load.kv_used_blocks, load.running_requests, load.waiting_requests)
+            if now == last:
+                continue
+            report = WorkerLoad(worker_id=self.options.worker_id, kv_used_blocks=now[0], running_requests=now[1],
+                                waiting_requests=now[2])
+            try:
+                await nc.publish(subject, encode(report))
+                last = now
+            except Exception as error:  # NATS away: the next change is reported
+                log.debug("load.publish_failed", error=repr(error))
 
     async def _refresh_loop(self) -> None:
         """Load gauges and the card's KV usage, a few times per registry TTL."""

@@ -61,7 +61,8 @@ class MockEngine:
         self._waiting = 0
         # Content key -> None for cached blocks, least recently used first; referenced ones separately.
         self._cached: OrderedDict[int, None] = OrderedDict()
-        self._used_blocks = 0
+        # Blocks held by running requests -> how many hold each (a shared prefix is held once).
+        self._refs: dict[int, int] = {}
         self._kv_events = KvEventFanout()
         self._released: set[MemoryTag] = set()
         # No KV moves between mock engines: every one runs its prompts itself.
@@ -136,28 +137,39 @@ class MockEngine:
                               cached_tokens=cached_tokens)
 
     def _reference(self, keys: list[int]) -> int:
-        """Count the cached leading blocks, take the prompt's blocks, evicting LRU ones if needed."""
+        """Count the cached leading blocks (held by running requests or kept for reuse, as a real engine shares
+        them), take the prompt's blocks, evicting least recently used unreferenced ones if needed."""
         cached = 0
         for key in keys:
-            if key not in self._cached:
+            if key not in self._cached and key not in self._refs:
                 break
             cached += 1
         needed = len(keys) - cached
         evicted: list[int] = []
-        while self._used_blocks + needed + len(self._cached) - cached > self.config.kv_total_blocks and self._cached:
+        while len(self._refs) + needed + len(self._cached) > self.config.kv_total_blocks and self._cached:
             victim, _ = self._cached.popitem(last=False)
+            if victim in keys[:cached]:
+                cached = keys.index(victim)  # the prefix ends where its block was just evicted
             evicted.append(victim)
-        for key in keys[:cached]:
+        for key in keys:
             self._cached.pop(key, None)
-        self._used_blocks += len(keys)
+            self._refs[key] = self._refs.get(key, 0) + 1
         if evicted:
             self._publish([BlockRemoved(block_hashes=evicted)])
         return cached
 
     def _release(self, keys: list[int]) -> None:
-        self._used_blocks -= len(keys)
         for key in keys:
-            self._cached[key] = None
+            count = self._refs.get(key, 0) - 1
+            if count > 0:
+                self._refs[key] = count
+            else:
+                self._refs.pop(key, None)
+                self._cached[key] = None
+
+    @property
+    def _used_blocks(self) -> int:
+        return len(self._refs)
 
     def _publish(self, events: list[KvEvent]) -> None:
         if not events:
