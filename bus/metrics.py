@@ -68,3 +68,6 @@ ROUTER_ACTUAL_TOKENS = Counter("conveyor_router_actual_cached_tokens_total",
 KV_INDEX_BLOCKS = Gauge("conveyor_router_index_blocks", "Distinct KV blocks in the router's index")
 UNPINNED_TASKS = Counter("conveyor_unpinned_tasks_total", "Pinned tasks moved back to the shared queue (worker gone)",
                          ["stage"])
+# Conditional disaggregation: where a disaggregated model's prompt ran. where: remote (a prefill worker) | local
+DISAGGREGATION_DECISIONS = Counter("conveyor_disaggregation_decisions_total",
+                                   "Prompts of disaggregated models, by where the router sent them", ["where"])

@@ -39,7 +39,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from bus.kv_index import Candidate, KvIndex, choose
-from bus.metrics import KV_INDEX_BLOCKS, ROUTER_DECISIONS, ROUTER_PREDICTED_TOKENS, UNPINNED_TASKS
+from bus.metrics import DISAGGREGATION_DECISIONS, KV_INDEX_BLOCKS, ROUTER_DECISIONS, ROUTER_PREDICTED_TOKENS, UNPINNED_TASKS
 from bus.publish import MSG_ID_HEADER, PRIOR_DELIVERIES_HEADER
 from bus.settings import BusSettings
 from bus.subjects import Names
@@ -67,6 +67,9 @@ class RouterOptions:
     overlap_weight: float = 1.0
     # 0: always the cheapest replica; above 0: softmax sampling over the costs (spreads hot prefixes).
     temperature: float = 0.0
+    # Conditional disaggregation: a disaggregated model's prompt with at most this many tokens to compute (beyond
+    # what the best decode replica has cached) runs on a decode worker that can prefill itself. 0: never.
+    local_prefill_max_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +133,21 @@ class Router:
         ROUTER_DECISIONS.labels(mode=self.options.mode.value, outcome="hit" if predicted else "miss").inc()
         ROUTER_PREDICTED_TOKENS.inc(predicted)
         return Route(chosen.worker_id, predicted)
+
+    def prefills_locally(self, model: str, token_ids: list[int], cards: list[WorkerCard]) -> bool:
+        """Whether a disaggregated model's prompt is short enough, once its cached prefix is discounted, to run
+        on a decode worker rather than take a prefill worker and a KV transfer (Dynamo's `isl_bounding`)."""
+        if self.options.local_prefill_max_tokens <= 0:
+            return False
+        decoders = [c for c in cards if c.stage == Stage.DECODE and c.model == model and c.ready and c.prefills_locally]
+        if not decoders:
+            return False
+        cached = self.index.cached_blocks(token_ids, [c.worker_id for c in decoders]) if self.options.mode == RouterMode.KV else {}
+        block_size = next((size for c in decoders if (size := self.index.block_size_of(c.worker_id))), 0)
+        uncached = len(token_ids) - max(cached.values(), default=0) * block_size
+        local = uncached <= self.options.local_prefill_max_tokens
+        DISAGGREGATION_DECISIONS.labels(where="local" if local else "remote").inc()
+        return local
 
     def forget_gone(self, live_cards: list[WorkerCard]) -> None:
         """Drop the index entries of workers whose cards expired and unpin their tasks (in the background)."""

@@ -57,6 +57,8 @@ class WorkerCard(WireModel):
     ready: bool = False
     # Takes image requests itself: an encode worker, or an LLM worker that encodes in-process (EPD).
     accepts_media: bool = False
+    # A decode worker whose engine can also run a prompt itself, so a router may skip the prefill stage for it.
+    prefills_locally: bool = False
     wire_version: int
 
 

@@ -9,7 +9,7 @@ import time
 from schemas.registry import ServingMode, Stage
 from schemas.replies import FinalFrame, FinishReason
 from tests.conftest import Bus
-from tests.helpers import wait_until
+from tests.helpers import metric, wait_until
 from tests.pipeline_helpers import chat, client_of, running_workers
 from workers.decode import DecodeStage
 from workers.engines.factory import EngineKind
@@ -104,3 +104,31 @@ async def test_kv_routing_sends_a_repeated_prefix_to_the_torch_replica_that_cach
     assert first[2].usage.cached_tokens == 0
     # The system prompt's blocks (all but the last few of the prompt) were found cached every time.
     assert all(r[2].usage.cached_tokens >= (prompt_blocks - 3) * 16 for r in repeats), [r[2].usage for r in repeats]
+
+
+async def test_conditional_disaggregation_runs_short_prompts_on_the_decode_worker(bus: Bus) -> None:
+    from bus.router import RouterOptions
+
+    routed = ProcessorStage({DEFAULT_MODEL: served_model(EngineKind.TORCH, DEFAULT_MODEL)},
+                            RouterOptions(local_prefill_max_tokens=48))
+    specs = [
+        (Stage.PROCESSOR, routed),
+        (Stage.DECODE, DecodeStage(engine(DisaggregationRole.DECODE), DEFAULT_MODEL)),
+        (Stage.PREFILL, PrefillStage(engine(DisaggregationRole.PREFILL), DEFAULT_MODEL)),
+    ]
+    long_question = "Please answer carefully and briefly, in one sentence only: " * 4 + QUESTIONS[0]
+    async with running_workers(bus, specs, model=DEFAULT_MODEL, mode=ServingMode.DISAGGREGATED):
+        prefills = prefills_done()
+        local_before = metric("conveyor_disaggregation_decisions_total", where="local")
+        short = await answer(bus, QUESTIONS[0])
+        assert prefills_done() == prefills
+        long = await answer(bus, long_question)
+        await wait_until(lambda: prefills_done() == prefills + 1, timeout_s=10)
+    assert short[2].usage.prompt_tokens <= 48 < long[2].usage.prompt_tokens
+    assert "Paris" in short[1] and long[2].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+    assert metric("conveyor_disaggregation_decisions_total", where="local") == local_before + 1
+
+
+def prefills_done() -> float:
+    return sum(metric("conveyor_requests_total", stage="prefill", model=DEFAULT_MODEL, outcome=outcome)
+               for outcome in ("length", "stop"))

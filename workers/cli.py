@@ -258,6 +258,10 @@ def worker(
     router_overlap_weight: Annotated[float, typer.Option(min=0.0, help=(
         "Processor, --router kv: weight of the prompt blocks a replica would compute against the blocks it "
         "holds for running requests."))] = 1.0,
+    local_prefill_max_tokens: Annotated[int, typer.Option(min=0, help=(
+        "Processor, disaggregated models: a prompt with at most this many tokens to compute (its cached prefix "
+        "discounted with --router kv) runs on a decode worker that can prefill itself (torch, mock), skipping the "
+        "prefill stage and the KV transfer. 0: never."))] = 0,
     nats: NatsOption = None,
     namespace: NamespaceOption = None,
     log_level: LogLevelOption = "INFO",
@@ -281,7 +285,8 @@ def worker(
     models = model or [DEFAULT_MODEL if engine_kind != EngineKind.MOCK else "mock"]
     built = build_stage(stage_kind, engine_kind, models, serving_mode, load_format,
                         MigrationPolicy(migration_limit, migration_max_seq_len),
-                        RouterOptions(RouterMode(router), router_overlap_weight, router_temperature))
+                        RouterOptions(RouterMode(router), router_overlap_weight, router_temperature,
+                                      local_prefill_max_tokens))
     options = WorkerOptions(
         stage=stage_kind, model=models[0], mode=serving_mode, engine_name=engine_kind.value, http_host=http_host,
         http_port=http_port, max_concurrency=max_concurrency or _DEFAULT_CONCURRENCY.get(stage_kind, 32),

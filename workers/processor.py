@@ -13,7 +13,8 @@ LLM worker that encodes in-process (EPD).
 Routing (`--router`, bus/router.py): `queue` leaves a text prompt's task on the stage's shared queue;
 `kv` pins it to the replica of the prompt-running stage (decode aggregated, prefill disaggregated) whose
 cached prefix, against its load, makes it cheapest (an index built from the KV-event stream);
-`round-robin` and `random` pin without looking. Tasks pinned to a replica that dies go back to the
+`round-robin` and `random` pin without looking. With `--local-prefill-max-tokens N`, a disaggregated
+model's prompt with at most N tokens left to compute runs on a decode worker that can prefill itself. Tasks pinned to a replica that dies go back to the
 shared queue. Requests with images use the shared queue.
 
 Emits to the client only errors; the stage that finishes the request streams the reply.
@@ -185,10 +186,13 @@ class ProcessorStage:
             await self._route_multimodal(header, preprocessed, model, delivery)
             return
         mode = await self._mode_of(model.name)
-        # The stage that runs the prompt is the one whose prefix cache a router can aim at.
-        stage = Stage.PREFILL if mode == ServingMode.DISAGGREGATED else Stage.DECODE
         assert self._router is not None
-        route = self._router.route(stage, model.name, token_ids, await self._live_cards())
+        cards = await self._live_cards()
+        # The stage that runs the prompt is the one whose prefix cache a router can aim at; a short prompt of a
+        # disaggregated model may skip the prefill stage (conditional disaggregation).
+        remote = mode == ServingMode.DISAGGREGATED and not self._router.prefills_locally(model.name, token_ids, cards)
+        stage = Stage.PREFILL if remote else Stage.DECODE
+        route = self._router.route(stage, model.name, token_ids, cards)
         predicted = route.predicted_cached_tokens if route is not None else None
         task: DecodeTask | PrefillTask = (
             PrefillTask(header=header, request=preprocessed, predicted_cached_tokens=predicted)

@@ -296,6 +296,7 @@ class WorkerRuntime:
             started_at_s=time.time(), metrics_url=metrics_url, bootstrap=bootstrap, kv=kv,
             context_length=context_length, ready=ready, wire_version=WIRE_VERSION,
             accepts_media=self._stage.accepts_media,
+            prefills_locally=engine is not None and engine.info.prefills_in_decode_role,
         )
 
     def _start_background(self, nc: Any, js: Any) -> None:
