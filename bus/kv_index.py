@@ -102,6 +102,21 @@ class KvIndex:
         worker = self._workers.get(worker_id)
         return worker.last_seq if worker is not None else -1
 
+    def snapshot(self) -> dict[str, object]:
+        """The index as plain data (msgpack-able): per worker its block size, last batch number and blocks."""
+        return {worker_id: {"block_size": w.block_size, "last_seq": w.last_seq, "blocks": list(w.blocks)}
+                for worker_id, w in self._workers.items()}
+
+    @classmethod
+    def restored(cls, snapshot: dict[str, dict[str, object]]) -> KvIndex:
+        index = cls()
+        for worker_id, data in snapshot.items():
+            worker = _Worker(block_size=data["block_size"], last_seq=data["last_seq"])  # type: ignore[arg-type]
+            index._workers[worker_id] = worker
+            for block in data["blocks"]:  # type: ignore[attr-defined]
+                index._store(worker_id, worker, block)
+        return index
+
     def _store(self, worker_id: str, worker: _Worker, block: int) -> None:
         worker.blocks.add(block)
         self._holders.setdefault(block, set()).add(worker_id)

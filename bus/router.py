@@ -30,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass
 from enum import StrEnum
 
+import msgpack
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -37,6 +38,7 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
+from nats.js.object_store import ObjectStore
 
 from bus.kv_index import Candidate, KvIndex, choose
 from bus.metrics import DISAGGREGATION_DECISIONS, KV_INDEX_BLOCKS, ROUTER_DECISIONS, ROUTER_PREDICTED_TOKENS, UNPINNED_TASKS
@@ -48,6 +50,8 @@ from schemas.kv_events import KvEventBatch
 from schemas.registry import Stage, WorkerCard, WorkerLoad
 
 log = structlog.get_logger(__name__)
+
+_SNAPSHOT_OBJECT = "index"
 
 # How fast the prompt blocks a router sent a worker stop counting as its load (they are being computed).
 _RECENT_FADE_S = 0.5
@@ -70,6 +74,8 @@ class RouterOptions:
     # Conditional disaggregation: a disaggregated model's prompt with at most this many tokens to compute (beyond
     # what the best decode replica has cached) runs on a decode worker that can prefill itself. 0: never.
     local_prefill_max_tokens: int = 0
+    # How often a kv router stores its index (0: never); a router starting later resumes from the newest.
+    snapshot_interval_s: float = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +94,7 @@ class Router:
         self._js = js
         self._names = names
         self._settings = settings
-        self.index = KvIndex()
-        self._feed = KvEventFeed(js, names, self.index)
+        self._feed = KvEventFeed(js, names, KvIndex())
         self._turn = itertools.count()
         self._rng = random.Random()
         # Prompt blocks sent to each worker lately: its card's KV use does not show them yet.
@@ -100,16 +105,67 @@ class Router:
         # Each worker's last load report (`{ns}.load.{worker_id}`), and when it came.
         self._loads: dict[str, tuple[float, WorkerLoad]] = {}
         self._load_subscription: Subscription | None = None
+        self._snapshots: asyncio.Task[None] | None = None
+        self._saved_seq = 0
+
+    @property
+    def index(self) -> KvIndex:
+        return self._feed.index
 
     async def start(self) -> None:
-        if self.options.mode == RouterMode.KV:
-            await self._feed.start()
-            self._load_subscription = await self._nc.subscribe(self._names.load_subjects, cb=self._on_load)
+        if self.options.mode != RouterMode.KV:
+            return
+        after_seq = await self._restore()
+        await self._feed.start(after_seq)
+        self._load_subscription = await self._nc.subscribe(self._names.load_subjects, cb=self._on_load)
+        if self.options.snapshot_interval_s > 0:
+            self._snapshots = asyncio.create_task(self._save_periodically(), name="router-snapshots")
 
     async def stop(self) -> None:
+        if self._snapshots is not None:
+            self._snapshots.cancel()
+            await asyncio.gather(self._snapshots, return_exceptions=True)
         if self._load_subscription is not None:
             await self._load_subscription.unsubscribe()
         await self._feed.stop()
+
+    async def save_snapshot(self) -> int:
+        """Store the index and the stream position it reflects; a router starting later resumes from it instead
+        of replaying the whole KV-event stream. Returns the stream sequence saved."""
+        seq = self._feed.stream_seq
+        data = msgpack.packb({"stream_seq": seq, "workers": self.index.snapshot()})
+        store = await self._snapshot_store()
+        await store.put(_SNAPSHOT_OBJECT, data)
+        self._saved_seq = seq
+        return seq
+
+    async def _restore(self) -> int:
+        """Load the last snapshot, if any; the stream sequence to resume after (0: from the start)."""
+        try:
+            result = await (await self._js.object_store(self._names.router_snapshot_bucket)).get(_SNAPSHOT_OBJECT)
+            snapshot = msgpack.unpackb(result.data, strict_map_key=False)
+            self._feed.index = KvIndex.restored(snapshot["workers"])
+        except Exception as error:  # none yet, or unreadable: build the index from the stream
+            log.info("router.no_snapshot", reason=repr(error))
+            return 0
+        log.info("router.snapshot_restored", stream_seq=snapshot["stream_seq"], blocks=self.index.num_blocks)
+        return int(snapshot["stream_seq"])
+
+    async def _snapshot_store(self) -> ObjectStore:
+        try:
+            return await self._js.object_store(self._names.router_snapshot_bucket)
+        except NotFoundError:
+            return await self._js.create_object_store(self._names.router_snapshot_bucket)
+
+    async def _save_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.snapshot_interval_s)
+            if self._feed.stream_seq == self._saved_seq:
+                continue
+            try:
+                await self.save_snapshot()
+            except Exception as error:  # NATS away: the next interval tries again
+                log.warning("router.snapshot_failed", error=repr(error))
         for task in list(self._unpinning):
             task.cancel()
         await asyncio.gather(*self._unpinning, return_exceptions=True)
@@ -207,17 +263,23 @@ class KvEventFeed:
     def __init__(self, js: JetStreamContext, names: Names, index: KvIndex) -> None:
         self._js = js
         self._names = names
-        self._index = index
+        self.index = index
+        # The stream sequence of the last message applied (a snapshot resumes after it).
+        self.stream_seq = 0
         self._subscription: Subscription | None = None
         # Workers being replayed, with the live batches that arrived meanwhile.
         self._held: dict[str, list[KvEventBatch]] = {}
         self._replays: set[asyncio.Task[None]] = set()
         self.replays_done = 0
 
-    async def start(self) -> None:
+    async def start(self, after_seq: int = 0) -> None:
+        """Follow the stream from its start, or from just after `after_seq` (a restored snapshot)."""
+        self.stream_seq = after_seq
+        config = (ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=after_seq + 1) if after_seq
+                  else ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
         self._subscription = await self._js.subscribe(
             self._names.kv_events_subjects, stream=self._names.kv_events_stream, cb=self._on_message,
-            ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+            ordered_consumer=True, config=config)
 
     async def stop(self) -> None:
         if self._subscription is not None:
@@ -234,13 +296,14 @@ class KvEventFeed:
             log.warning("router.bad_kv_batch", subject=msg.subject, error=repr(error))
             return
         self.apply(batch)
+        self.stream_seq = msg.metadata.sequence.stream
 
     def apply(self, batch: KvEventBatch) -> None:
         held = self._held.get(batch.worker_id)
         if held is not None:
             held.append(batch)
             return
-        missed = self._index.apply(batch)
+        missed = self.index.apply(batch)
         if missed:
             log.warning("router.kv_gap", worker_id=batch.worker_id, missed=f"{missed.start}..{missed.stop - 1}")
             self._held[batch.worker_id] = []
@@ -250,13 +313,13 @@ class KvEventFeed:
 
     async def _replay(self, worker_id: str) -> None:
         """Rebuild one worker's blocks from every batch the stream still has of it."""
-        self._index.forget_worker(worker_id)
+        self.index.forget_worker(worker_id)
         try:
             for batch in await read_worker_batches(self._js, self._names, worker_id):
-                self._index.apply(batch)
+                self.index.apply(batch)
         finally:
             for batch in self._held.pop(worker_id, []):
-                self._index.apply(batch)
+                self.index.apply(batch)
         self.replays_done += 1
 
 

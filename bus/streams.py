@@ -218,7 +218,7 @@ async def ensure_work_consumer(js: JetStreamContext, config: ConsumerConfig, str
 
 async def delete_all(js: JetStreamContext, names: Names) -> None:
     """Remove every stream of the namespace, with what it holds (tests, `conveyor streams --delete`)."""
-    for name in names.all_streams:
+    for name in [*names.all_streams, names.router_snapshot_stream]:
         try:
             await js.delete_stream(name)
         except NotFoundError:

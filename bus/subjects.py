@@ -112,6 +112,16 @@ class Names:
         return f"{self._prefix}_PROGRESS"
 
     @property
+    def router_snapshot_bucket(self) -> str:
+        """Object store of the KV router's index snapshots."""
+        return f"{self.namespace}_router"
+
+    @property
+    def router_snapshot_stream(self) -> str:
+        # JetStream keeps an object store in a stream of this name; made by the first router that saves.
+        return f"OBJ_{self.router_snapshot_bucket}"
+
+    @property
     def registry_bucket(self) -> str:
         return f"{self.namespace}_workers"
 
