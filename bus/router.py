@@ -41,7 +41,13 @@ from nats.js.errors import NotFoundError
 from nats.js.object_store import ObjectStore
 
 from bus.kv_index import Candidate, KvIndex, choose
-from bus.metrics import DISAGGREGATION_DECISIONS, KV_INDEX_BLOCKS, ROUTER_DECISIONS, ROUTER_PREDICTED_TOKENS, UNPINNED_TASKS
+from bus.metrics import (
+    DISAGGREGATION_DECISIONS,
+    KV_INDEX_BLOCKS,
+    ROUTER_DECISIONS,
+    ROUTER_PREDICTED_TOKENS,
+    UNPINNED_TASKS,
+)
 from bus.publish import MSG_ID_HEADER, PRIOR_DELIVERIES_HEADER
 from bus.settings import BusSettings
 from bus.subjects import Names

@@ -41,6 +41,7 @@ from schemas.client import CompletionRequest, StreamFormat
 from schemas.kv_events import BlockStored, KvEventBatch
 from schemas.kv_hashing import chain_hashes
 from schemas.registry import Stage
+from workers.launcher import stop_processes
 
 MODES = ["kv", "round-robin", "queue"]
 
@@ -138,13 +139,7 @@ async def serving(args: argparse.Namespace) -> None:
                         rates[mode].append(rate)
                         say(f"round {round_index} {mode}: TTFT p50 {pct(values, 0.5) * 1000:.1f} ms, {rate:.1f} req/s")
         finally:
-            for process in processes:
-                process.terminate()
-            for process in processes:
-                try:
-                    process.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+            await stop_processes(processes, grace_s=15)
             server.stop()
     base = args.modes[0]
     print(f"| routing | TTFT p50 ms | TTFT p99 ms | requests/s | TTFT p50 ÷ {base} |")

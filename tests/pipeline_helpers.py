@@ -25,6 +25,7 @@ from workers.engines.factory import EngineKind
 from workers.engines.mock import MockEngine, MockEngineConfig
 from workers.engines.protocol import GenerateOutput, GenerateRequest
 from workers.processor import ProcessorStage
+from workers.launcher import stop_processes
 from workers.runtime import PipelineStage, WorkerOptions, WorkerRuntime
 from workers.stages import served_model
 
@@ -158,14 +159,7 @@ async def worker_processes(urls: list[str], namespace: str, stages: list[str], e
     try:
         yield workers
     finally:
-        for worker in workers:
-            worker.terminate()
-        for worker in workers:
-            try:
-                worker.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-                worker.wait()
+        await stop_processes(workers, grace_s=15)
 
 
 async def wait_for_workers(client: PipelineClient, num_workers: int, timeout_s: float) -> None:

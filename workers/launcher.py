@@ -157,15 +157,20 @@ async def _wait_for_stop_or_exit(workers: list[subprocess.Popen[bytes]], stop: a
 
 
 async def _stop(workers: list[subprocess.Popen[bytes]], grace_s: float = 30.0) -> None:
-    for worker in workers:
-        if worker.poll() is None:
-            worker.send_signal(signal.SIGTERM)
+    await stop_processes(workers, grace_s)
+    progress("workers stopped")
+
+
+async def stop_processes(processes: list[subprocess.Popen[bytes]], grace_s: float = 30.0) -> None:
+    """SIGTERM every process still running, then SIGKILL whichever has not exited after `grace_s`."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    for worker in workers:
+    for process in processes:
         remaining = max(0.1, deadline - time.monotonic())
         try:
-            await asyncio.to_thread(worker.wait, remaining)
+            await asyncio.to_thread(process.wait, remaining)
         except subprocess.TimeoutExpired:
-            worker.kill()
-            await asyncio.to_thread(worker.wait)
-    progress("workers stopped")
+            process.kill()
+            await asyncio.to_thread(process.wait)
