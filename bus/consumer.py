@@ -262,8 +262,9 @@ class WorkConsumer(Generic[TaskT]):
             if subscription is not None:
                 await subscription.unsubscribe()
         if self._pinned is not None:
-            # What routers pinned here and this worker will not run now goes to the other replicas.
-            await unpin(self._js, self._names, self._settings, self.stage, self.model, self._worker_id)
+            # What routers pinned here and this worker will not run now goes to the other replicas (with NATS
+            # away, the routers do it once this worker's card expires).
+            await _quietly(unpin(self._js, self._names, self._settings, self.stage, self.model, self._worker_id))
         self._subscription = self._pinned = None
 
     async def _fetch(self, subscription: JetStreamContext.PullSubscription, batch: int) -> list[Msg]:

@@ -41,6 +41,7 @@ from nats.js.errors import NotFoundError
 from nats.js.object_store import ObjectStore
 
 from bus.kv_index import Candidate, KvIndex, choose
+from bus.lifecycle import stop_tasks
 from bus.metrics import (
     DISAGGREGATION_DECISIONS,
     KV_INDEX_BLOCKS,
@@ -128,9 +129,7 @@ class Router:
             self._snapshots = asyncio.create_task(self._save_periodically(), name="router-snapshots")
 
     async def stop(self) -> None:
-        if self._snapshots is not None:
-            self._snapshots.cancel()
-            await asyncio.gather(self._snapshots, return_exceptions=True)
+        await stop_tasks([*([self._snapshots] if self._snapshots else []), *self._unpinning])
         if self._load_subscription is not None:
             await self._load_subscription.unsubscribe()
         await self._feed.stop()
@@ -172,9 +171,6 @@ class Router:
                 await self.save_snapshot()
             except Exception as error:  # NATS away: the next interval tries again
                 log.warning("router.snapshot_failed", error=repr(error))
-        for task in list(self._unpinning):
-            task.cancel()
-        await asyncio.gather(*self._unpinning, return_exceptions=True)
 
     def route(self, stage: Stage, model: str, token_ids: list[int], cards: list[WorkerCard]) -> Route | None:
         """The replica to pin this prompt to; None: the shared queue."""
@@ -205,8 +201,7 @@ class Router:
         if not decoders:
             return False
         cached = self.index.cached_blocks(token_ids, [c.worker_id for c in decoders]) if self.options.mode == RouterMode.KV else {}
-        block_size = next((size for c in decoders if (size := self.index.block_size_of(c.worker_id))), 0)
-        uncached = len(token_ids) - max(cached.values(), default=0) * block_size
+        uncached = len(token_ids) - max(cached.values(), default=0) * self._block_size(decoders)
         local = uncached <= self.options.local_prefill_max_tokens
         DISAGGREGATION_DECISIONS.labels(where="local" if local else "remote").inc()
         return local
@@ -227,12 +222,16 @@ class Router:
 
     def _by_kv(self, workers: list[WorkerCard], token_ids: list[int]) -> tuple[WorkerCard, int, int]:
         cached = self.index.cached_blocks(token_ids, [w.worker_id for w in workers])
-        block_size = next((size for w in workers if (size := self.index.block_size_of(w.worker_id))), None)
-        block_size = block_size or next((w.kv.block_size for w in workers if w.kv is not None), 16)
+        block_size = self._block_size(workers)
         candidates = [Candidate(w.worker_id, cached[w.worker_id], self._load_blocks(w)) for w in workers]
         best = choose(candidates, len(token_ids) // block_size, self.options.overlap_weight, self.options.temperature,
                       self._rng)
         return next(w for w in workers if w.worker_id == best.worker_id), best.cached_blocks, block_size
+
+    def _block_size(self, workers: list[WorkerCard]) -> int:
+        """The KV block size of these workers: as their events say, else as their cards say."""
+        from_events = next((size for w in workers if (size := self.index.block_size_of(w.worker_id))), None)
+        return from_events or next((w.kv.block_size for w in workers if w.kv is not None), 16)
 
     async def _on_load(self, msg: Msg) -> None:
         try:
@@ -291,9 +290,7 @@ class KvEventFeed:
         if self._subscription is not None:
             await self._subscription.unsubscribe()
             self._subscription = None
-        for task in list(self._replays):
-            task.cancel()
-        await asyncio.gather(*self._replays, return_exceptions=True)
+        await stop_tasks(self._replays)
 
     async def _on_message(self, msg: Msg) -> None:
         try:
@@ -366,13 +363,14 @@ async def unpin(js: JetStreamContext, names: Names, settings: BusSettings, stage
     moved, deadline = 0, time.monotonic() + settings.ack_wait_s + 2.0
     try:
         while time.monotonic() < deadline:
+            # Asked first, so a worker stopping with nothing pinned (the usual case) does not wait for a fetch.
+            info = await js.consumer_info(stream, durable)
+            if info.num_pending == 0 and info.num_ack_pending == 0:
+                break
             try:
                 messages = await subscription.fetch(batch=64, timeout=0.5)
             except TimeoutError:
-                info = await js.consumer_info(stream, durable)
-                if info.num_pending == 0 and info.num_ack_pending == 0:
-                    break
-                continue
+                continue  # delivered to the gone worker: back after the ack wait
             for message in messages:
                 headers = dict(message.headers or {})
                 headers[MSG_ID_HEADER] = f"{headers.get(MSG_ID_HEADER, message.reply)}:unpinned"

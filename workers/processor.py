@@ -41,6 +41,7 @@ from pydantic import ValidationError
 
 from bus.consumer import Delivery
 from bus.errors import RejectRequest
+from bus.lifecycle import stop_tasks
 from bus.metrics import QUEUE_SECONDS, REQUESTS
 from bus.registry import REQUIRED_STAGES
 from bus.router import Router, RouterOptions
@@ -128,8 +129,7 @@ class ProcessorStage:
 
     async def stop(self) -> None:
         if self._watcher is not None:
-            self._watcher.cancel()
-            await asyncio.gather(self._watcher, return_exceptions=True)
+            await stop_tasks([self._watcher])
         if self._router is not None:
             await self._router.stop()
 
