@@ -30,8 +30,9 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import NotFoundError
+from nats.js.errors import NotFoundError, ServiceUnavailableError
 from pydantic import ValidationError
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from bus.metrics import CANCELS
 from bus.subjects import Names
@@ -79,7 +80,15 @@ class CancelRegistry:
         # Live first, then history: a cancel sent in between is seen twice, which is harmless.
         for subject in self._names.cancel_subjects:
             self._subscriptions.append(await self._nc.subscribe(subject, cb=self._on_message))
-        await self._replay_history()
+        # A cluster still electing the control stream's leader answers 503 for a while: retry (a cancel replayed
+        # twice is harmless), then go on without the history rather than not start.
+        try:
+            async for attempt in AsyncRetrying(wait=wait_exponential(multiplier=0.2, max=2.0), stop=stop_after_delay(20),
+                                               retry=retry_if_exception_type(ServiceUnavailableError), reraise=True):
+                with attempt:
+                    await self._replay_history()
+        except ServiceUnavailableError:
+            log.warning("cancel.history_unavailable", stream=self._names.control_stream)
 
     async def stop(self) -> None:
         for subscription in self._subscriptions:
