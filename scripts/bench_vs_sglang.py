@@ -1,0 +1,365 @@
+"""SGLang's own HTTP server versus Conveyor serving SGLang, both driven by the same third-party client.
+
+On a GPU machine (docs/gpu.md has the procedure), one run starts, side by side on the one GPU:
+- **sglang**: `python -m sglang.launch_server` (its own tokenizer, scheduler and detokenizer processes);
+- **conveyor**: a nats-server, a processor, a decode worker with the SGLang engine and the OpenAI gateway,
+  each its own process, as a deployment runs them.
+Then, for each concurrency and each round (the order of the two alternates between rounds), it runs
+`python -m sglang.bench_serving --backend sglang-oai` (SGLang's own load client, in its own process) against
+each server's `/v1/completions` with random-token prompts, and — unless `--nats-clients 0` — the same load
+published straight to NATS by `--nats-clients` client processes (the bus without the gateway). It prints the
+median round of each and the ratios conveyor ÷ sglang; `--profile-concurrency` also records each Conveyor
+process with py-spy (when it is on the PATH) during one more run at that concurrency. Results and profiles go
+to $OUT (or --out).
+
+    bash scripts/gpu_run.sh python3 scripts/bench_vs_sglang.py --model .gpu/smol --concurrency 1 16 64 128 256
+
+`nats-client` is the mode the NATS client processes run in; it is not meant to be called by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def say(message: str) -> None:
+    print(f"[bench-vs-sglang {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def wait_http(url: str, what: str, timeout_s: float, processes: list[subprocess.Popen[bytes]],
+              ready: Any = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    while time.monotonic() < deadline:
+        for process in processes:
+            if process.poll() is not None:
+                raise RuntimeError(f"{what}: a process exited with {process.returncode} before it was ready")
+        if http_ok(url) and (ready is None or ready()):
+            say(f"{what} ready after {time.monotonic() - started:.0f} s")
+            return
+        time.sleep(1.0)
+    raise RuntimeError(f"{what} not ready within {timeout_s:.0f} s")
+
+
+def model_listed(base_url: str, model: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{base_url}/v1/models", timeout=5) as response:
+            return any(entry["id"] == model for entry in json.load(response)["data"])
+    except (OSError, KeyError, ValueError):
+        return False
+
+
+class Servers:
+    """The two systems under test and the processes behind them (stopped together)."""
+
+    def __init__(self, args: argparse.Namespace, logs: Path) -> None:
+        self.args, self.logs = args, logs
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.nats_url = ""
+        self.namespace = f"vs{uuid.uuid4().hex[:6]}"
+
+    def spawn(self, name: str, command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 — kept open for the child's life
+        process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+        self.processes[name] = process
+        return process
+
+    def start_sglang(self) -> str:
+        args = self.args
+        url = f"http://127.0.0.1:{args.sglang_port}"
+        self.spawn("sglang", [sys.executable, "-m", "sglang.launch_server", "--model-path", args.model,
+                              "--load-format", "dummy", "--attention-backend", "triton", "--sampling-backend", "pytorch",
+                              "--mem-fraction-static", str(args.sglang_mem_fraction), "--host", "127.0.0.1",
+                              "--port", str(args.sglang_port), "--log-level", "warning"])
+        wait_http(f"{url}/v1/models", "sglang server", args.start_timeout_s, [self.processes["sglang"]],
+                  ready=lambda: model_listed(url, args.model))
+        return url
+
+    def start_conveyor(self) -> str:
+        args = self.args
+        port = args.nats_port
+        self.nats_url = f"nats://127.0.0.1:{port}"
+        store = self.logs / "nats-store"
+        store.mkdir(exist_ok=True)
+        self.spawn("nats", [sys.executable, "-m", "workers.cli", "server", "--port", str(port), "--store-dir", str(store)])
+        env = {"CONVEYOR_NATS_URLS": self.nats_url, "CONVEYOR_NAMESPACE": self.namespace}
+        worker = [sys.executable, "-m", "workers.cli", "worker", "--engine", args.engine, "--model", args.model,
+                  "--load-format", "dummy", "--log-level", "WARNING", "--max-concurrency", str(args.worker_concurrency)]
+        self.spawn("processor", worker[:4] + ["processor"] + worker[4:], env)
+        # SGLang sizes its KV pool from the memory free at its start: the server above already holds its share.
+        self.spawn("decode", worker[:4] + ["decode"] + worker[4:],
+                   {**env, "CONVEYOR_SGLANG_MEM_FRACTION_STATIC": str(args.conveyor_mem_fraction)})
+        url = f"http://127.0.0.1:{args.gateway_port}"
+        self.spawn("gateway", [sys.executable, "-m", "workers.cli", "gateway", "--port", str(args.gateway_port),
+                               "--host", "127.0.0.1", "--log-level", "WARNING"], env)
+        wait_http(f"{url}/v1/models", "conveyor (gateway, processor, decode)", args.start_timeout_s,
+                  list(self.processes.values()), ready=lambda: model_listed(url, args.model))
+        return url
+
+    def pid(self, name: str) -> int:
+        return self.processes[name].pid
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+
+
+def num_prompts(args: argparse.Namespace, concurrency: int) -> int:
+    return max(args.min_prompts, concurrency * args.prompts_per_stream)
+
+
+def bench_http(args: argparse.Namespace, base_url: str, concurrency: int, seed: int, out: Path) -> dict[str, Any]:
+    """One sglang.bench_serving run; its JSON line."""
+    out.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang-oai", "--base-url", base_url,
+               "--model", args.model, "--tokenizer", args.model, "--dataset-name", "random-ids",
+               "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+               "--random-range-ratio", str(args.range_ratio), "--num-prompts", str(num_prompts(args, concurrency)),
+               "--max-concurrency", str(concurrency), "--seed", str(seed), "--disable-tqdm", "--output-file", str(out)]
+    completed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=args.run_timeout_s)
+    if completed.returncode != 0 or not out.exists():
+        raise RuntimeError(f"bench_serving failed ({completed.returncode}): {completed.stderr[-2000:]}")
+    row = json.loads(out.read_text().strip().splitlines()[-1])
+    return {key: row[key] for key in ("completed", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
+                                      "median_itl_ms", "p99_itl_ms", "median_e2e_latency_ms") if key in row}
+
+
+def bench_nats(args: argparse.Namespace, nats_url: str, namespace: str, concurrency: int, seed: int) -> dict[str, Any]:
+    """The same load published to NATS by `--nats-clients` processes; their samples merged."""
+    clients = min(args.nats_clients, concurrency)
+    total = num_prompts(args, concurrency)
+    commands = []
+    for k in range(clients):
+        share = concurrency // clients + (1 if k < concurrency % clients else 0)
+        prompts = total // clients + (1 if k < total % clients else 0)
+        commands.append([sys.executable, __file__, "nats-client", "--nats", nats_url, "--namespace", namespace,
+                         "--model", args.model, "--concurrency", str(share), "--num-prompts", str(prompts),
+                         "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                         "--range-ratio", str(args.range_ratio), "--seed", str(seed * 1000 + k)])
+    started = time.perf_counter()
+    children = [subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, text=True) for command in commands]
+    # The last line is the samples (structlog may have written to stdout before it).
+    samples = [json.loads(child.communicate(timeout=args.run_timeout_s)[0].strip().splitlines()[-1]) for child in children]
+    # Wall time of the whole load: from the first client's start to the last one's end.
+    duration_s = max(s["end"] for s in samples) - min(s["start"] for s in samples) or time.perf_counter() - started
+    ttfts = sorted(t for s in samples for t in s["ttft_ms"])
+    itls = sorted(t for s in samples for t in s["itl_ms"])
+    return {"completed": len(ttfts), "output_throughput": sum(s["tokens"] for s in samples) / duration_s,
+            "median_ttft_ms": statistics.median(ttfts), "p99_ttft_ms": percentile(ttfts, 99),
+            "median_itl_ms": statistics.median(itls) if itls else 0.0, "p99_itl_ms": percentile(itls, 99),
+            "errors": sum(s["errors"] for s in samples)}
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+async def nats_client(args: argparse.Namespace) -> None:
+    """Mode of one client process: `concurrency` streams over `num_prompts` requests, samples as JSON on stdout."""
+    from bus.client import open_client
+    from bus.settings import BusSettings, NatsSettings
+    from schemas.client import CompletionRequest, StreamFormat
+    from schemas.replies import FinalFrame, FinishReason
+
+    rng = random.Random(args.seed)
+    low_in, low_out = int(args.input_len * args.range_ratio), int(args.output_len * args.range_ratio)
+    work = [([rng.randrange(1000, 30000) for _ in range(rng.randint(low_in, args.input_len))],
+             rng.randint(low_out, args.output_len)) for _ in range(args.num_prompts)]
+    samples: dict[str, Any] = {"ttft_ms": [], "itl_ms": [], "tokens": 0, "errors": 0}
+    async with open_client(NatsSettings(urls=[args.nats]), BusSettings(namespace=args.namespace), "bench-nats") as client:
+        async def one(prompt: list[int], new_tokens: int) -> None:
+            request = CompletionRequest(request_id=f"nats-{uuid.uuid4().hex[:12]}", reply_to=client.new_inbox(),
+                                        model=args.model, prompt=prompt, max_tokens=new_tokens, ignore_eos=True,
+                                        temperature=0.0, stream_format=StreamFormat.TOKENS)
+            sent = last = time.perf_counter()
+            first = True
+            async with await client.submit(request, first_frame_timeout_s=300) as stream:
+                async for chunk in stream:
+                    now = time.perf_counter()
+                    (samples["ttft_ms"] if first else samples["itl_ms"]).append(1000 * (now - (sent if first else last)))
+                    first, last = False, now
+                    samples["tokens"] += len(chunk.token_ids)
+            if not isinstance(stream.terminal, FinalFrame) or stream.terminal.finish_reason != FinishReason.LENGTH:
+                samples["errors"] += 1
+
+        queue = list(work)
+
+        async def stream_worker() -> None:
+            while queue:
+                await one(*queue.pop())
+
+        samples["start"] = time.time()
+        await asyncio.gather(*(stream_worker() for _ in range(args.concurrency)))
+        samples["end"] = time.time()
+    print(json.dumps(samples))
+
+
+def profile(args: argparse.Namespace, servers: Servers, conveyor_url: str, out_dir: Path) -> dict[str, str]:
+    """py-spy records every Conveyor process (and SGLang's subprocesses under decode) during one loaded run."""
+    py_spy = shutil.which("py-spy")
+    if py_spy is None:
+        return {"skipped": "py-spy is not on the PATH"}
+    recorders = {name: subprocess.Popen([py_spy, "record", "--nonblocking", "--pid", str(servers.pid(name)),
+                                         "--duration", str(args.profile_s), "--rate", "50", "--format", "raw",
+                                         "--output", str(out_dir / f"profile-{name}.txt")]
+                                        + (["--subprocesses"] if name == "decode" else []),
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for name in ("gateway", "processor", "decode")}
+    time.sleep(1.0)
+    load = bench_http(args, conveyor_url, args.profile_concurrency, 7, out_dir / "profile-run.jsonl")
+    results = {}
+    for name, recorder in recorders.items():
+        try:
+            _, stderr = recorder.communicate(timeout=args.profile_s + 30)
+            results[name] = "ok" if recorder.returncode == 0 else stderr[-500:]
+        except subprocess.TimeoutExpired:
+            recorder.kill()
+            results[name] = "timed out"
+    results["load"] = json.dumps(load)
+    return results
+
+
+def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    return sorted(rows, key=lambda r: r["output_throughput"])[len(rows) // 2]
+
+
+def print_table(report: dict[str, Any]) -> None:
+    systems = [s for s in ("sglang", "conveyor", "conveyor-nats") if s in next(iter(report["levels"].values()))]
+    print("\nconc | system        |  tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | ratio tok/s, TTFT p50, ITL p50 vs sglang")
+    for level, by_system in report["levels"].items():
+        base = by_system["sglang"]
+        for system in systems:
+            row = by_system[system]
+            ratio = (f"{row['output_throughput'] / base['output_throughput']:.2f}×, "
+                     f"{row['median_ttft_ms'] / base['median_ttft_ms']:.2f}×, "
+                     f"{row['median_itl_ms'] / max(base['median_itl_ms'], 1e-9):.2f}×") if system != "sglang" else ""
+            print(f"{level:>4} | {system:<13} | {row['output_throughput']:>6.0f} | {row['median_ttft_ms']:>7.1f} / "
+                  f"{row['p99_ttft_ms']:>7.1f} | {row['median_itl_ms']:>6.2f} / {row.get('p99_itl_ms', 0):>6.2f} | {ratio}")
+    print(flush=True)
+
+
+def interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run(args: argparse.Namespace) -> None:
+    # A timeout's SIGTERM unwinds like Ctrl-C, so the results so far are written and the servers stopped.
+    signal.signal(signal.SIGTERM, interrupt)
+    out_dir = Path(args.out or os.environ.get("OUT") or ROOT / ".bench-vs-sglang")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    logs = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-vs-sglang-{uuid.uuid4().hex[:6]}"
+    logs.mkdir(parents=True)
+    servers = Servers(args, logs)
+    report: dict[str, Any] = {"args": vars(args), "levels": {}}
+    started = time.monotonic()
+    try:
+        urls = {"sglang": args.sglang_url or servers.start_sglang()}
+        urls["conveyor"] = servers.start_conveyor()
+        report["start_s"] = round(time.monotonic() - started, 1)
+        for level in args.concurrency:
+            runs: dict[str, list[dict[str, Any]]] = {}
+            for round_index in range(args.rounds):
+                order = ["sglang", "conveyor"] if round_index % 2 == 0 else ["conveyor", "sglang"]
+                seed = 100 * level + round_index
+                for system in order:
+                    row = bench_http(args, urls[system], level, seed, logs / f"{system}.jsonl")
+                    runs.setdefault(system, []).append(row)
+                    say(f"c={level} round {round_index + 1} {system}: {row['output_throughput']:.0f} tok/s, "
+                        f"TTFT p50 {row['median_ttft_ms']:.1f} ms, ITL p50 {row['median_itl_ms']:.2f} ms")
+                if args.nats_clients:
+                    row = bench_nats(args, servers.nats_url, servers.namespace, level, seed)
+                    runs.setdefault("conveyor-nats", []).append(row)
+                    say(f"c={level} round {round_index + 1} conveyor-nats: {row['output_throughput']:.0f} tok/s, "
+                        f"TTFT p50 {row['median_ttft_ms']:.1f} ms, errors {row['errors']}")
+            report["levels"][level] = {system: median_row(rows) for system, rows in runs.items()}
+            (out_dir / "bench-vs-sglang.json").write_text(json.dumps(report, indent=1))
+            if level == args.profile_concurrency:
+                report["profile"] = profile(args, servers, urls["conveyor"], out_dir)
+                say(f"profiles: {report['profile']}")
+        print_table(report)
+    finally:
+        (out_dir / "bench-vs-sglang.json").write_text(json.dumps(report, indent=1))
+        servers.stop()
+        tails = {name: (logs / f"{name}.log").read_bytes()[-3000:].decode(errors="replace")
+                 for name in servers.processes if (logs / f"{name}.log").exists()}
+        (out_dir / "server-log-tails.json").write_text(json.dumps(tails, indent=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", nargs="?", choices=["bench", "nats-client"], default="bench")
+    parser.add_argument("--model", required=True, help="Model directory (config + tokenizer; weights are dummy).")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 128, 256])
+    parser.add_argument("--rounds", type=int, default=2, help="Rounds per concurrency; the median is kept.")
+    parser.add_argument("--input-len", type=int, default=1024, help="Longest prompt, in tokens.")
+    parser.add_argument("--output-len", type=int, default=512, help="Most new tokens per request.")
+    parser.add_argument("--range-ratio", type=float, default=0.25,
+                        help="Lengths are drawn from [ratio × len, len] (0.25: prompts 256–1024, outputs 128–512).")
+    parser.add_argument("--prompts-per-stream", type=int, default=2, help="Requests per run = concurrency × this.")
+    parser.add_argument("--min-prompts", type=int, default=8)
+    parser.add_argument("--nats-clients", type=int, default=4,
+                        help="Processes publishing the load straight to NATS (0: skip that system).")
+    parser.add_argument("--profile-concurrency", type=int, default=0, help="Profile Conveyor after the runs at this concurrency (one of --concurrency; 0: no).")
+    parser.add_argument("--profile-s", type=int, default=20)
+    parser.add_argument("--sglang-mem-fraction", type=float, default=0.35)
+    parser.add_argument("--conveyor-mem-fraction", type=float, default=0.75,
+                        help="SGLang's static memory fraction in the decode worker, counted with the server's share.")
+    parser.add_argument("--worker-concurrency", type=int, default=512, help="Tasks each Conveyor worker holds at once.")
+    parser.add_argument("--sglang-port", type=int, default=30000)
+    parser.add_argument("--sglang-url", help="An SGLang server already running (started by hand: see docs/gpu.md).")
+    parser.add_argument("--engine", default="sglang", help="Conveyor's engine (mock: check the harness without a GPU).")
+    parser.add_argument("--gateway-port", type=int, default=8000)
+    parser.add_argument("--nats-port", type=int, default=4222)
+    parser.add_argument("--start-timeout-s", type=float, default=420)
+    parser.add_argument("--run-timeout-s", type=float, default=300)
+    parser.add_argument("--out", help="Results folder (default: $OUT, else .bench-vs-sglang/).")
+    # nats-client mode
+    parser.add_argument("--nats", help=argparse.SUPPRESS)
+    parser.add_argument("--namespace", help=argparse.SUPPRESS)
+    parser.add_argument("--num-prompts", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.mode == "nats-client":
+        args.concurrency = args.concurrency[0]
+        asyncio.run(nats_client(args))
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()
