@@ -14,7 +14,7 @@ to $OUT (or --out).
 
     bash scripts/gpu_run.sh python3 scripts/bench_vs_sglang.py --model .gpu/smol --concurrency 1 16 64 128 256
 
-`nats-client` is the mode the NATS client processes run in; it is not meant to be called by hand.
+`nats-client` (a NATS client process) and `bench-once` (the profiled load) are modes the benchmark runs itself in.
 """
 
 from __future__ import annotations
@@ -111,9 +111,9 @@ class Servers:
         env = {"CONVEYOR_NATS_URLS": self.nats_url, "CONVEYOR_NAMESPACE": self.namespace}
         worker = [sys.executable, "-m", "workers.cli", "worker", "--engine", args.engine, "--model", args.model,
                   "--load-format", "dummy", "--log-level", "WARNING", "--max-concurrency", str(args.worker_concurrency)]
-        self.spawn("processor", worker[:4] + ["processor"] + worker[4:], env)
+        self.spawn("processor", worker[:4] + ["processor"] + worker[4:] + ["--http-port", str(METRICS_PORTS["processor"])], env)
         # SGLang sizes its KV pool from the memory free at its start: the server above already holds its share.
-        self.spawn("decode", worker[:4] + ["decode"] + worker[4:],
+        self.spawn("decode", worker[:4] + ["decode"] + worker[4:] + ["--http-port", str(METRICS_PORTS["decode"])],
                    {**env, "CONVEYOR_SGLANG_MEM_FRACTION_STATIC": str(args.conveyor_mem_fraction)})
         url = f"http://127.0.0.1:{args.gateway_port}"
         self.spawn("gateway", [sys.executable, "-m", "workers.cli", "gateway", "--port", str(args.gateway_port),
@@ -126,15 +126,19 @@ class Servers:
         return self.processes[name].pid
 
     def stop(self) -> None:
-        for process in self.processes.values():
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        for process in self.processes.values():
-            try:
-                process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
+        """Clients of the bus first (gateway, processor, decode), the nats-server once they are gone."""
+        order = [name for name in reversed(self.processes) if name != "nats"] + ["nats"] * ("nats" in self.processes)
+        for name in order:
+            self._stop(self.processes[name])
+
+    @staticmethod
+    def _stop(process: subprocess.Popen[bytes]) -> None:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
 
 
 def num_prompts(args: argparse.Namespace, concurrency: int) -> int:
@@ -229,29 +233,83 @@ async def nats_client(args: argparse.Namespace) -> None:
     print(json.dumps(samples))
 
 
-def profile(args: argparse.Namespace, servers: Servers, conveyor_url: str, out_dir: Path) -> dict[str, str]:
-    """py-spy records every Conveyor process (and SGLang's subprocesses under decode) during one loaded run."""
+METRICS_PORTS = {"processor": 9101, "decode": 9102}
+# The decode worker's view of a loaded run: tasks it holds, and the engine's running and waiting requests.
+PROBED = ("conveyor_in_flight{stage=\"decode\"}", "conveyor_engine_running_requests", "conveyor_engine_waiting_requests")
+
+
+def scrape(name: str) -> dict[str, float]:
+    """A worker's /metrics as {series: value} (histogram buckets left out)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORTS[name]}/metrics", timeout=2) as response:
+            text = response.read().decode()
+    except OSError:
+        return {}
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "_bucket{" not in line:
+            series, _, value = line.rpartition(" ")
+            values[series] = float(value)
+    return values
+
+
+def probe(name: str) -> dict[str, float]:
+    values = scrape(name)
+    return {key: value for key, value in values.items() if key.startswith(PROBED)}
+
+
+def queue_seconds(values: dict[str, float]) -> dict[str, float]:
+    """Mean seconds a task waited in each stage's work stream, and mean handler seconds."""
+    out = {}
+    for metric in ("conveyor_queue_seconds", "conveyor_handler_seconds"):
+        for key, total in values.items():
+            if key.startswith(metric + "_sum"):
+                count = values.get(key.replace("_sum", "_count"), 0)
+                out[key.replace("_sum", "_mean")] = total / count if count else 0.0
+    return out
+
+
+def profile(args: argparse.Namespace, servers: Servers, conveyor_url: str, out_dir: Path) -> dict[str, Any]:
+    """One more loaded run at --profile-concurrency: once its load reaches the decode worker, py-spy records every
+    Conveyor process (and SGLang's scheduler under decode) while the decode worker's in-flight tasks and the
+    engine's running / waiting requests are sampled every 0.5 s."""
+    result: dict[str, Any] = {}
+    loader = subprocess.Popen([sys.executable, __file__, "bench-once", "--model", args.model, "--base-url", conveyor_url,
+                               "--concurrency", str(args.profile_concurrency), "--input-len", str(args.input_len),
+                               "--output-len", str(args.output_len), "--range-ratio", str(args.range_ratio),
+                               "--prompts-per-stream", str(args.prompts_per_stream * 3), "--min-prompts", "8",
+                               "--run-timeout-s", str(args.run_timeout_s), "--out", str(out_dir)],
+                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    # Past bench_serving's start and its one warm-up request: half the streams are in the decode worker.
+    deadline, loaded = time.monotonic() + 120, max(2, args.profile_concurrency // 2)
+    while probe("decode").get('conveyor_in_flight{stage="decode"}', 0) < loaded and time.monotonic() < deadline:
+        time.sleep(0.2)
     py_spy = shutil.which("py-spy")
+    recorders = {}
     if py_spy is None:
-        return {"skipped": "py-spy is not on the PATH"}
-    recorders = {name: subprocess.Popen([py_spy, "record", "--nonblocking", "--pid", str(servers.pid(name)),
-                                         "--duration", str(args.profile_s), "--rate", "50", "--format", "raw",
-                                         "--output", str(out_dir / f"profile-{name}.txt")]
-                                        + (["--subprocesses"] if name == "decode" else []),
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                 for name in ("gateway", "processor", "decode")}
-    time.sleep(1.0)
-    load = bench_http(args, conveyor_url, args.profile_concurrency, 7, out_dir / "profile-run.jsonl")
-    results = {}
+        result["py_spy"] = "not on the PATH"
+    else:
+        recorders = {name: subprocess.Popen([py_spy, "record", "--nonblocking", "--pid", str(servers.pid(name)),
+                                             "--duration", str(args.profile_s), "--rate", "100", "--format", "raw",
+                                             "--output", str(out_dir / f"profile-{name}.txt")]
+                                            + (["--subprocesses"] if name == "decode" else []),
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                     for name in ("gateway", "processor", "decode")}
+    samples = []
+    while loader.poll() is None:
+        samples.append(probe("decode"))
+        time.sleep(0.5)
+    result["load"] = json.loads(loader.communicate()[0].strip().splitlines()[-1])
+    result["decode_samples"] = samples
+    result["means"] = {name: queue_seconds(scrape(name)) for name in METRICS_PORTS}
     for name, recorder in recorders.items():
         try:
             _, stderr = recorder.communicate(timeout=args.profile_s + 30)
-            results[name] = "ok" if recorder.returncode == 0 else stderr[-500:]
+            result[f"py_spy_{name}"] = "ok" if recorder.returncode == 0 else stderr[-500:]
         except subprocess.TimeoutExpired:
             recorder.kill()
-            results[name] = "timed out"
-    results["load"] = json.dumps(load)
-    return results
+            result[f"py_spy_{name}"] = "timed out"
+    return result
 
 
 def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -310,7 +368,8 @@ def run(args: argparse.Namespace) -> None:
             (out_dir / "bench-vs-sglang.json").write_text(json.dumps(report, indent=1))
             if level == args.profile_concurrency:
                 report["profile"] = profile(args, servers, urls["conveyor"], out_dir)
-                say(f"profiles: {report['profile']}")
+                summary = {key: value for key, value in report["profile"].items() if key != "decode_samples"}
+                say(f"profiled run: {summary}")
         print_table(report)
     finally:
         (out_dir / "bench-vs-sglang.json").write_text(json.dumps(report, indent=1))
@@ -322,7 +381,7 @@ def run(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", nargs="?", choices=["bench", "nats-client"], default="bench")
+    parser.add_argument("mode", nargs="?", choices=["bench", "nats-client", "bench-once"], default="bench")
     parser.add_argument("--model", required=True, help="Model directory (config + tokenizer; weights are dummy).")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 128, 256])
     parser.add_argument("--rounds", type=int, default=2, help="Rounds per concurrency; the median is kept.")
@@ -353,8 +412,12 @@ def main() -> None:
     parser.add_argument("--namespace", help=argparse.SUPPRESS)
     parser.add_argument("--num-prompts", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--base-url", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.mode == "nats-client":
+    if args.mode == "bench-once":  # one bench_serving run, its row on stdout (the profiled load)
+        row = bench_http(args, args.base_url, args.concurrency[0], 7, Path(args.out) / "profile-run.jsonl")
+        print(json.dumps(row))
+    elif args.mode == "nats-client":
         args.concurrency = args.concurrency[0]
         asyncio.run(nats_client(args))
     else:
