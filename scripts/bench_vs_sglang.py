@@ -96,6 +96,7 @@ class Servers:
         self.spawn("sglang", [sys.executable, "-m", "sglang.launch_server", "--model-path", args.model,
                               "--load-format", "dummy", "--attention-backend", "triton", "--sampling-backend", "pytorch",
                               "--mem-fraction-static", str(args.sglang_mem_fraction), "--host", "127.0.0.1",
+                              "--page-size", str(args.page_size),
                               "--port", str(args.sglang_port), "--log-level", "warning"])
         wait_http(f"{url}/v1/models", "sglang server", args.start_timeout_s, [self.processes["sglang"]],
                   ready=lambda: model_listed(url, args.model))
@@ -114,7 +115,8 @@ class Servers:
         self.spawn("processor", worker[:4] + ["processor"] + worker[4:] + ["--http-port", str(METRICS_PORTS["processor"])], env)
         # SGLang sizes its KV pool from the memory free at its start: the server above already holds its share.
         self.spawn("decode", worker[:4] + ["decode"] + worker[4:] + ["--http-port", str(METRICS_PORTS["decode"])],
-                   {**env, "CONVEYOR_SGLANG_MEM_FRACTION_STATIC": str(args.conveyor_mem_fraction)})
+                   {**env, "CONVEYOR_SGLANG_MEM_FRACTION_STATIC": str(args.conveyor_mem_fraction),
+                    "CONVEYOR_SGLANG_PAGE_SIZE": str(args.page_size)})
         url = f"http://127.0.0.1:{args.gateway_port}"
         self.spawn("gateway", [sys.executable, "-m", "workers.cli", "gateway", "--port", str(args.gateway_port),
                                "--host", "127.0.0.1", "--log-level", "WARNING"], env)
@@ -398,6 +400,7 @@ def main() -> None:
     parser.add_argument("--sglang-mem-fraction", type=float, default=0.35)
     parser.add_argument("--conveyor-mem-fraction", type=float, default=0.75,
                         help="SGLang's static memory fraction in the decode worker, counted with the server's share.")
+    parser.add_argument("--page-size", type=int, default=16, help="KV page size of both SGLangs (Conveyor's default).")
     parser.add_argument("--worker-concurrency", type=int, default=512, help="Tasks each Conveyor worker holds at once.")
     parser.add_argument("--sglang-port", type=int, default=30000)
     parser.add_argument("--sglang-url", help="An SGLang server already running (started by hand: see docs/gpu.md).")

@@ -122,6 +122,27 @@ def test_sglang_event_frames_decode_into_our_events() -> None:
     assert decode_event_frames(frames[:2]) is None
 
 
+def test_sglangs_per_page_events_of_one_chain_merge_into_one() -> None:
+    # SGLang records one BlockStored per page; a run chained by parent hash becomes one event with every block.
+    pages = [["BlockStored", [100 + i], (100 + i - 1) if i else 7, [i] * 4, 4, None, None] for i in range(5)]
+    other_chain = ["BlockStored", [900], 55, [9] * 4, 4, None, None]
+    frames = sglang_frame(1, [*pages, other_chain, ["BlockRemoved", [100], None], pages[0]])
+    decoded = decode_event_frames(frames)
+    assert decoded is not None
+    chain, other, removed, again = decoded[1].events
+    assert isinstance(chain, BlockStored) and chain.block_hashes == [100, 101, 102, 103, 104]
+    assert chain.parent_block_hash == 7 and chain.token_ids == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4
+    assert isinstance(other, BlockStored) and other.block_hashes == [900] and other.parent_block_hash == 55
+    assert isinstance(removed, BlockRemoved)
+    # A removal between two stores ends the run: the order of stores and removals is kept.
+    assert isinstance(again, BlockStored) and again.block_hashes == [100]
+
+
+def test_sglang_pages_default_to_sixteen_tokens() -> None:
+    # Page size 1 makes SGLang record an event per token (the relay took half the decode worker's loop on the H100).
+    assert server_args(SGLangEngineConfig(model_path="/m"), 1, 2)["page_size"] == 16
+
+
 async def test_relay_receives_zmq_batches_and_counts_gaps() -> None:
     import zmq
     import zmq.asyncio

@@ -66,7 +66,9 @@ class SGLangEngineConfig(BaseSettings):
     role: DisaggregationRole = DisaggregationRole.NONE
     load_format: str = "auto"
     tp_size: int = 1
-    page_size: int | None = None
+    # KV-cache page = KV-event block, in tokens (Dynamo's SGLang examples use 16). At SGLang's own default of 1,
+    # it records one KV event per token; on the H100 relaying them took half of the decode worker's event loop.
+    page_size: int | None = 16
     mem_fraction_static: float | None = None
     context_length: int | None = None
     # The trimmed sgl-kernel carried to the GPU machine has no FA3 (see docs/gpu.md).
@@ -211,17 +213,48 @@ def logprobs_of(meta_info: dict[str, Any], num_new: int) -> list[TokenLogprob] |
     return result
 
 
+_FIELD_NAMES = {"BlockStored": ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"],
+                "BlockRemoved": ["block_hashes", "medium"], "AllBlocksCleared": []}
+
+
+def _kind_and_fields(raw: Any) -> tuple[Any, dict[str, Any]]:
+    """A msgspec tagged-array event (or a map with a `type` key) as (kind, fields)."""
+    if isinstance(raw, dict):
+        return raw.get("type"), raw
+    if isinstance(raw, list) and raw:
+        return raw[0], dict(zip(_FIELD_NAMES.get(raw[0], []), raw[1:]))
+    return None, {}
+
+
+def _chains_on(previous: dict[str, Any], fields: dict[str, Any]) -> bool:
+    """Whether a stored block continues the previous stored run (same chain, size, adapter and medium)."""
+    return (fields.get("parent_block_hash") == previous["block_hashes"][-1]
+            and all(fields.get(key) == previous.get(key) for key in ("block_size", "lora_id", "medium")))
+
+
+def _merged(raw_events: list[Any]) -> list[tuple[Any, dict[str, Any]]]:
+    """Events with each run of chained BlockStored merged into one. SGLang records one event per page (per token
+    at page size 1): merging before building models keeps the relay's cost per prompt, not per page."""
+    merged: list[tuple[Any, dict[str, Any]]] = []
+    for raw in raw_events:
+        kind, fields = _kind_and_fields(raw)
+        if kind == "BlockStored" and merged and merged[-1][0] == "BlockStored" and _chains_on(merged[-1][1], fields):
+            previous = merged[-1][1]
+            previous["block_hashes"].extend(fields["block_hashes"])
+            previous["token_ids"].extend(fields["token_ids"])
+            continue
+        if kind == "BlockStored":  # lists of our own, extended in place by the blocks that chain on
+            fields = {**fields, "block_hashes": list(fields["block_hashes"]), "token_ids": list(fields["token_ids"])}
+        merged.append((kind, fields))
+    return merged
+
+
 def decode_event(raw: Any) -> KvEvent | None:
     """One msgspec tagged-array event (or a map with a `type` key) as ours; unknown kinds: None."""
-    if isinstance(raw, dict):
-        kind, fields = raw.get("type"), raw
-    elif isinstance(raw, list) and raw:
-        kind, values = raw[0], raw[1:]
-        names = {"BlockStored": ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"],
-                 "BlockRemoved": ["block_hashes", "medium"], "AllBlocksCleared": []}.get(kind, [])
-        fields = dict(zip(names, values))
-    else:
-        return None
+    return _event_of(*_kind_and_fields(raw))
+
+
+def _event_of(kind: Any, fields: dict[str, Any]) -> KvEvent | None:
     if kind == "BlockStored":
         return BlockStored(
             block_hashes=[_u64(h) for h in fields["block_hashes"]],
@@ -252,7 +285,7 @@ def decode_event_frames(frames: list[bytes]) -> tuple[int, KvEventBatchOut] | No
     else:
         ts, raw_events = batch[0], batch[1]
         rank = batch[2] if len(batch) > 2 else None
-    events = [event for event in (decode_event(raw) for raw in raw_events) if event is not None]
+    events = [event for event in (_event_of(kind, fields) for kind, fields in _merged(raw_events)) if event is not None]
     return seq, KvEventBatchOut(events=events, ts=float(ts), data_parallel_rank=int(rank or 0))
 
 
