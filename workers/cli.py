@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -69,7 +70,7 @@ def streams(
     """Show the namespace's streams (work queues, control, KV events, registry) and their contents."""
     configure_logging(log_level)
     nats_settings, bus_settings = load_settings(nats, namespace)
-    asyncio.run(_streams(nats_settings, bus_settings, declare, delete))
+    run_loop(_streams(nats_settings, bus_settings, declare, delete))
 
 
 async def _streams(nats: NatsSettings, bus: BusSettings, declare: bool, delete: bool) -> None:
@@ -108,7 +109,7 @@ def dlq(
     """Show the tasks stages gave up on (dead letters), with why; --replay SEQ sends one back to its stage."""
     configure_logging(log_level)
     nats_settings, bus_settings = load_settings(nats, namespace)
-    asyncio.run(_dlq(nats_settings, bus_settings, replay_seq, limit))
+    run_loop(_dlq(nats_settings, bus_settings, replay_seq, limit))
 
 
 async def _dlq(nats: NatsSettings, bus: BusSettings, replay_seq: int | None, limit: int) -> None:
@@ -185,7 +186,7 @@ def smoke(
     configure_logging(log_level)
     nats_settings, bus_settings = load_settings(nats, namespace)
     embedded = nats is None and "CONVEYOR_NATS_URLS" not in os.environ
-    asyncio.run(run_smoke(nats_settings, bus_settings, embedded, prompt))
+    run_loop(run_smoke(nats_settings, bus_settings, embedded, prompt))
 
 
 @app.command()
@@ -208,7 +209,7 @@ def generate(
     from workers.generate import run_generate
 
     configure_logging(log_level)
-    asyncio.run(run_generate(EngineKind(engine), model, prompt, max_tokens, temperature, seed, raw))
+    run_loop(run_generate(EngineKind(engine), model, prompt, max_tokens, temperature, seed, raw))
 
 
 ModelOption = Annotated[
@@ -293,7 +294,7 @@ def worker(
         shutdown_grace_s=shutdown_grace_s,
         coalesce_window_s=coalesce_ms / 1000,
     )
-    asyncio.run(WorkerRuntime(built, options, nats_settings, bus_settings).run())
+    run_loop(WorkerRuntime(built, options, nats_settings, bus_settings).run())
 
 
 @app.command()
@@ -337,7 +338,21 @@ def up(
                         question=ask_prompt, exit_after_question=exit_after, max_tokens=max_tokens, log_level=log_level,
                         load_format=load_format, ready_timeout_s=ready_timeout_s,
                         gateway_port=gateway_port if gateway else None, router=router)
-    raise typer.Exit(asyncio.run(run_up(nats_settings, bus_settings, embedded, options)))
+    raise typer.Exit(run_loop(run_up(nats_settings, bus_settings, embedded, options)))
+
+
+def run_loop(main: Coroutine[Any, Any, T]) -> T:
+    """Run a command's event loop: uvloop where it is installed (the per-token reply path runs on the loop; uvloop
+    cuts its cost), plain asyncio with CONVEYOR_EVENT_LOOP=asyncio or where uvloop does not exist (Windows)."""
+    if os.environ.get("CONVEYOR_EVENT_LOOP", "uvloop") == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                return runner.run(main)
+    return asyncio.run(main)
 
 
 def _run_client(command: Coroutine[Any, Any, T]) -> T:
@@ -346,7 +361,7 @@ def _run_client(command: Coroutine[Any, Any, T]) -> T:
     from workers.client_commands import NoWorkerServes, explain
 
     try:
-        return asyncio.run(command)
+        return run_loop(command)
     except NoWorkerServes as error:
         typer.echo(f"[conveyor] {error}", err=True)
         raise typer.Exit(2) from None
@@ -431,7 +446,7 @@ def cancel(
     from workers.client_commands import cancel as send
 
     nats_settings, bus_settings = load_settings(nats, namespace)
-    asyncio.run(send(nats_settings, bus_settings, request_id))
+    run_loop(send(nats_settings, bus_settings, request_id))
     typer.echo(f"cancel sent for {request_id}", err=True)
 
 
@@ -463,7 +478,7 @@ def gateway(
                 typer.echo(f"[conveyor] OpenAI API on http://{host}:{bound}/v1", err=True)
                 await stop.wait()
 
-    asyncio.run(run())
+    run_loop(run())
 
 
 @app.command()
@@ -472,7 +487,7 @@ def status(nats: NatsOption = None, namespace: NamespaceOption = None) -> None:
     from workers.client_commands import status as read_status
 
     nats_settings, bus_settings = load_settings(nats, namespace)
-    typer.echo(asyncio.run(read_status(nats_settings, bus_settings)))
+    typer.echo(run_loop(read_status(nats_settings, bus_settings)))
 
 
 if __name__ == "__main__":
