@@ -337,6 +337,32 @@ def interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def compare_event_loops(args: argparse.Namespace) -> None:
+    """`--event-loops`: no SGLang, no HTTP; the Conveyor stack (any engine, e.g. mock on a laptop) under the NATS
+    clients once per event loop (CONVEYOR_EVENT_LOOP), loops alternating within each round; medians and ratios."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for round_index in range(args.rounds):
+        loops = args.event_loops if round_index % 2 == 0 else list(reversed(args.event_loops))
+        for loop in loops:
+            logs = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-loops-{uuid.uuid4().hex[:6]}"
+            logs.mkdir(parents=True)
+            os.environ["CONVEYOR_EVENT_LOOP"] = loop
+            servers = Servers(args, logs)
+            try:
+                servers.start_conveyor()
+                row = bench_nats(args, servers.nats_url, servers.namespace, args.concurrency[0], round_index)
+            finally:
+                servers.stop()
+            runs.setdefault(loop, []).append(row)
+            say(f"round {round_index + 1} {loop}: {row['output_throughput']:.0f} tok/s, "
+                f"TTFT p50 {row['median_ttft_ms']:.1f} ms, ITL p50 {row['median_itl_ms']:.2f} ms")
+    base = median_row(runs[args.event_loops[0]])
+    for loop, rows in runs.items():
+        row = median_row(rows)
+        print(f"{loop:>8}: {row['output_throughput']:>7.0f} tok/s ({row['output_throughput'] / base['output_throughput']:.2f}×), "
+              f"TTFT p50 {row['median_ttft_ms']:.1f} ms, ITL p50 {row['median_itl_ms']:.2f} ms")
+
+
 def run(args: argparse.Namespace) -> None:
     # A timeout's SIGTERM unwinds like Ctrl-C, so the results so far are written and the servers stopped.
     signal.signal(signal.SIGTERM, interrupt)
@@ -400,6 +426,10 @@ def main() -> None:
     parser.add_argument("--sglang-mem-fraction", type=float, default=0.35)
     parser.add_argument("--conveyor-mem-fraction", type=float, default=0.75,
                         help="SGLang's static memory fraction in the decode worker, counted with the server's share.")
+    parser.add_argument("--event-loops", nargs="+", choices=["asyncio", "uvloop"],
+                        help="Instead of the comparison with SGLang: Conveyor alone under the NATS clients at the first "
+                             "--concurrency, once per event loop, side by side (e.g. --engine mock --event-loops "
+                             "asyncio uvloop).")
     parser.add_argument("--page-size", type=int, default=16, help="KV page size of both SGLangs (Conveyor's default).")
     parser.add_argument("--worker-concurrency", type=int, default=512, help="Tasks each Conveyor worker holds at once.")
     parser.add_argument("--sglang-port", type=int, default=30000)
@@ -423,6 +453,8 @@ def main() -> None:
     elif args.mode == "nats-client":
         args.concurrency = args.concurrency[0]
         asyncio.run(nats_client(args))
+    elif args.event_loops:
+        compare_event_loops(args)
     else:
         run(args)
 
