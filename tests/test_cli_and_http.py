@@ -27,6 +27,19 @@ def test_schema_command_writes_one_json_schema_per_message(tmp_path: Path) -> No
     assert "messages" in chat["required"]
 
 
+def test_commands_run_on_uvloop_unless_asyncio_is_asked_for(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    from workers.cli import run_loop
+
+    async def loop_module() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    assert run_loop(loop_module()).startswith("uvloop")
+    monkeypatch.setenv("CONVEYOR_EVENT_LOOP", "asyncio")
+    assert run_loop(loop_module()).startswith("asyncio")
+
+
 def test_smoke_command_streams_a_reply_through_an_embedded_server() -> None:
     completed = subprocess.run(
         [sys.executable, "-m", "workers.cli", "smoke", "one two three"],
