@@ -155,7 +155,7 @@ def bench_http(args: argparse.Namespace, base_url: str, concurrency: int, seed: 
                "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
                "--random-range-ratio", str(args.range_ratio), "--num-prompts", str(num_prompts(args, concurrency)),
                "--max-concurrency", str(concurrency), "--seed", str(seed), "--disable-tqdm", "--output-file", str(out)]
-    completed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=args.run_timeout_s)
+    completed = subprocess.run(command, check=False, cwd=ROOT, capture_output=True, text=True, timeout=args.run_timeout_s)
     if completed.returncode != 0 or not out.exists():
         raise RuntimeError(f"bench_serving failed ({completed.returncode}): {completed.stderr[-2000:]}")
     row = json.loads(out.read_text().strip().splitlines()[-1])
@@ -192,7 +192,7 @@ def bench_nats(args: argparse.Namespace, nats_url: str, namespace: str, concurre
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return 0.0
-    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+    return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
 
 
 async def nats_client(args: argparse.Namespace) -> None:
