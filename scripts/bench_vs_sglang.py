@@ -38,6 +38,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from workers.launcher import stop_processes  # noqa: E402
+
 
 def say(message: str) -> None:
     print(f"[bench-vs-sglang {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
@@ -85,6 +87,7 @@ class Servers:
 
     def spawn(self, name: str, command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 — kept open for the child's life
+        # A session of its own: Ctrl-C on the benchmark does not reach every child at once; stop() orders them.
         process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)
         self.processes[name] = process
@@ -131,16 +134,7 @@ class Servers:
         """Clients of the bus first (gateway, processor, decode), the nats-server once they are gone."""
         order = [name for name in reversed(self.processes) if name != "nats"] + ["nats"] * ("nats" in self.processes)
         for name in order:
-            self._stop(self.processes[name])
-
-    @staticmethod
-    def _stop(process: subprocess.Popen[bytes]) -> None:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            asyncio.run(stop_processes([self.processes[name]], grace_s=30))
 
 
 def num_prompts(args: argparse.Namespace, concurrency: int) -> int:

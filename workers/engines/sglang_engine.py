@@ -249,12 +249,8 @@ def _merged(raw_events: list[Any]) -> list[tuple[Any, dict[str, Any]]]:
     return merged
 
 
-def decode_event(raw: Any) -> KvEvent | None:
-    """One msgspec tagged-array event (or a map with a `type` key) as ours; unknown kinds: None."""
-    return _event_of(*_kind_and_fields(raw))
-
-
 def _event_of(kind: Any, fields: dict[str, Any]) -> KvEvent | None:
+    """One SGLang event's kind and fields as ours; unknown kinds: None."""
     if kind == "BlockStored":
         return BlockStored(
             block_hashes=[_u64(h) for h in fields["block_hashes"]],
