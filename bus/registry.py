@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 import structlog
-from nats.js.errors import KeyNotFoundError, NoKeysError
+from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 from pydantic import ValidationError
 
@@ -86,11 +86,22 @@ class Registration:
                 log.warning("registry.refresh_failed", error=repr(error))
 
 
+async def _live_keys(bucket: KeyValue) -> list[str]:
+    """The bucket's keys, from the stream leader's own list of subjects.
+
+    Not `bucket.keys()`: nats-py builds that from an ordered consumer and stops at the first message
+    with nothing pending, or at once when the consumer's info says nothing is pending. On a replicated
+    stream that info can come before the deliveries (a cluster electing leaders), so `keys()` said
+    "no keys" to one processor for seconds while every card was there, and the processor refused
+    requests for lack of workers.
+    """
+    prefix = bucket._pre  # "$KV.<bucket>."; nats-py keeps it and the stream's name private
+    info = await bucket._js.stream_info(bucket._stream, subjects_filter=f"{prefix}>")
+    return [subject[len(prefix):] for subject in (info.state.subjects or {})]
+
+
 async def live_workers(bucket: KeyValue) -> list[WorkerCard]:
-    try:
-        keys = await bucket.keys()
-    except NoKeysError:
-        return []
+    keys = await _live_keys(bucket)
     cards = []
     for key in keys:
         try:
