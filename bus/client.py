@@ -22,10 +22,10 @@ from bus.settings import BusSettings, NatsSettings
 from bus.streams import ensure_registry_bucket
 from bus.subjects import Names
 from bus.tracing import TraceContext
-from schemas.client import ChatRequest, CompletionRequest, EmbeddingRequest
+from schemas.client import ChatRequest, CompletionRequest, EmbeddingRequest, ImageRequest
 from schemas.registry import Stage, WorkerCard
 
-ClientRequestModel = ChatRequest | CompletionRequest | EmbeddingRequest
+ClientRequestModel = ChatRequest | CompletionRequest | EmbeddingRequest | ImageRequest
 
 
 class PipelineClient:

@@ -23,6 +23,7 @@ REQUIRED_STAGES: dict[ServingMode, frozenset[Stage]] = {
     ServingMode.ENCODE_AGGREGATED: frozenset({Stage.PROCESSOR, Stage.ENCODE, Stage.DECODE}),
     ServingMode.ENCODE_DISAGGREGATED: frozenset({Stage.PROCESSOR, Stage.ENCODE, Stage.PREFILL, Stage.DECODE}),
     ServingMode.EMBEDDING: frozenset({Stage.PROCESSOR, Stage.EMBED}),
+    ServingMode.IMAGE: frozenset({Stage.PROCESSOR, Stage.IMAGE}),
 }
 
 
@@ -119,7 +120,8 @@ async def live_workers(bucket: KeyValue) -> list[WorkerCard]:
 def ready_models(cards: list[WorkerCard]) -> dict[str, ServingMode]:
     """Models for which every stage of their mode has at least one ready worker.
 
-    A processor routes every mode, so its card counts for all of them whatever mode it was started in.
+    A processor routes every mode, so its card counts for all of them whatever mode it was started in;
+    image requests need no model in the processor, so any processor counts for an image model.
     """
     ready = [card for card in cards if card.ready]
     processors = {card.model for card in ready if card.stage == Stage.PROCESSOR}
@@ -128,7 +130,7 @@ def ready_models(cards: list[WorkerCard]) -> dict[str, ServingMode]:
         if card.stage != Stage.PROCESSOR:
             stages = ready_stages.setdefault((card.model, card.mode), set())
             stages.add(card.stage)
-            if card.model in processors:
+            if card.model in processors or (card.mode == ServingMode.IMAGE and processors):
                 stages.add(Stage.PROCESSOR)
     return {
         model: mode for (model, mode), stages in ready_stages.items() if REQUIRED_STAGES[mode] <= stages

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -52,6 +52,9 @@ from schemas.replies import (
     FinalFrame,
     FinishReason,
     Heartbeat,
+    ImageData,
+    ImageProgress,
+    ImageResult,
     ReplyFrame,
     TokenChunk,
     TokenLogprob,
@@ -66,7 +69,11 @@ _INBOX_PENDING_BYTES = 512 * 1024 * 1024
 # Frames a sender keeps until the client's answers to liveness probes confirm them (about one heartbeat
 # interval's worth), to send again after a NATS reconnect. Beyond this, the oldest are forgotten.
 _UNCONFIRMED_FRAMES = 4096
-_FRAMES_SENT = {kind: REPLY_FRAMES.labels(kind=kind) for kind in ("chunk", "heartbeat", "final", "error", "embedding")}
+_FRAMES_SENT = {kind: REPLY_FRAMES.labels(kind=kind) for kind in (
+    "chunk", "heartbeat", "final", "error", "embedding", "image_progress", "image_data", "images")}
+# Room left in a NATS message for a frame's fields around an image's bytes (request id, seq, index).
+_FRAME_OVERHEAD_BYTES = 1024
+_TERMINAL_FRAMES = (FinalFrame, ErrorFrame, EmbeddingResult, ImageResult)
 
 
 def alive_subject(inbox: str) -> str:
@@ -193,6 +200,26 @@ class ReplySender:
         """The one frame of an embedding request: every vector, then the stream is closed."""
         await self._send_terminal(EmbeddingResult, model=model, data=data, usage=usage)
 
+    async def send_image_progress(self, step: int, num_steps: int) -> None:
+        await self._publish(ImageProgress, step=step, num_steps=num_steps)
+
+    async def send_image(self, index: int, *, png: bytes | None = None, url: str | None = None) -> None:
+        """One image: its URL, or its PNG in as many frames as the connection's message size needs."""
+        if url is not None:
+            await self._publish(ImageData, index=index, url=url, last=True)
+            return
+        assert png is not None
+        piece_bytes = max(1, self._nc.max_payload - _FRAME_OVERHEAD_BYTES)
+        starts = range(0, max(len(png), 1), piece_bytes)
+        for start in starts:
+            await self._publish(ImageData, index=index, png=png[start:start + piece_bytes],
+                                last=start == starts[-1])
+
+    async def send_images_done(self, model: str, num_images: int, width: int, height: int, seed: int) -> None:
+        """The end of an image request, after every image's frames."""
+        await self._send_terminal(ImageResult, model=model, num_images=num_images, width=width, height=height,
+                                  seed=seed)
+
     async def heartbeat(self) -> None:
         await self._publish(Heartbeat)
 
@@ -281,7 +308,8 @@ class ReplySender:
                     index=merged.index,
                 )
 
-    async def _send_terminal(self, frame_type: type[FinalFrame | ErrorFrame | EmbeddingResult], **fields: Any) -> None:
+    async def _send_terminal(self, frame_type: type[FinalFrame | ErrorFrame | EmbeddingResult | ImageResult],
+                             **fields: Any) -> None:
         await self._publish(frame_type, **fields)
         self._closed = True
         await self._stop_background()
@@ -314,7 +342,7 @@ class ReplySender:
     async def _record(self, frame_type: type[ReplyFrame], payload: bytes, fields: dict[str, Any]) -> None:
         """Journal the frame before it goes to the inbox (bus/journal.py says why this order)."""
         assert self._journal is not None
-        if frame_type in (FinalFrame, ErrorFrame, EmbeddingResult):
+        if frame_type in _TERMINAL_FRAMES:
             await self._journal.end(payload)
         else:
             await self._journal.record(payload, self._seq, fields.get("token_ids"), fields.get("text"))
@@ -408,7 +436,7 @@ class ReplyStream:
         # Frames that arrived ahead of a missing one, by seq, and when waiting for it ends.
         self._ahead: dict[int, ReplyFrame] = {}
         self._gap_deadline = 0.0
-        self.terminal: FinalFrame | EmbeddingResult | None = None
+        self.terminal: FinalFrame | EmbeddingResult | ImageResult | None = None
         self._error: ErrorFrame | None = None
 
     @property
@@ -450,17 +478,43 @@ class ReplyStream:
         return self._chunks()
 
     async def _chunks(self) -> AsyncIterator[TokenChunk]:
-        while self.terminal is None:
-            frame = await self._next_frame()
+        async for frame in self.frames():
             if isinstance(frame, TokenChunk):
                 yield frame
-            elif isinstance(frame, ErrorFrame):
+
+    async def frames(self) -> AsyncIterator[TokenChunk | ImageProgress | ImageData]:
+        """Every frame but heartbeats, in order, until the terminal one (kept in `terminal`)."""
+        while self.terminal is None:
+            frame = await self._next_frame()
+            if isinstance(frame, ErrorFrame):
                 self._error = frame
                 raise RemoteError(frame)
-            elif isinstance(frame, FinalFrame | EmbeddingResult):
+            if isinstance(frame, FinalFrame | EmbeddingResult | ImageResult):
                 self.terminal = frame
+            elif not isinstance(frame, Heartbeat):
+                yield frame
 
-    async def collect(self) -> tuple[list[TokenChunk], FinalFrame | EmbeddingResult]:
+    async def collect_images(self, on_progress: Callable[[int, int], None] | None = None
+                             ) -> tuple[list[bytes | str], FinalFrame | ImageResult]:
+        """Read an image request's stream: each image's PNG bytes (joined from its pieces) or URL, in index
+        order, and the terminal frame (`ImageResult`, or a `FinalFrame` saying it was cancelled).
+        `on_progress(step, num_steps)` is called for each progress frame."""
+        pieces: dict[int, list[bytes]] = {}
+        images: dict[int, bytes | str] = {}
+        async for frame in self.frames():
+            if isinstance(frame, ImageProgress) and on_progress is not None:
+                on_progress(frame.step, frame.num_steps)
+            elif isinstance(frame, ImageData) and frame.url is not None:
+                images[frame.index] = frame.url
+            elif isinstance(frame, ImageData):
+                pieces.setdefault(frame.index, []).append(frame.png or b"")
+                if frame.last:
+                    images[frame.index] = b"".join(pieces.pop(frame.index))
+        if not isinstance(self.terminal, FinalFrame | ImageResult):
+            raise ValueError(f"reply stream of {self.request_id} ended with {type(self.terminal).__name__}, not images")
+        return [images[index] for index in sorted(images)], self.terminal
+
+    async def collect(self) -> tuple[list[TokenChunk], FinalFrame | EmbeddingResult | ImageResult]:
         """Read the whole stream: every chunk, and the terminal frame."""
         chunks = [chunk async for chunk in self]
         assert self.terminal is not None

@@ -127,5 +127,28 @@ class EmbeddingRequest(WireModel):
     dimensions: int | None = Field(default=None, ge=1)
 
 
-ClientRequest = Annotated[ChatRequest | CompletionRequest | EmbeddingRequest, Field(discriminator="kind")]
+# "WIDTHxHEIGHT" in pixels, or "auto" (the model's own size); the image worker says which sizes it takes.
+ImageSize = Annotated[str, Field(pattern=r"^(auto|[1-9][0-9]{1,4}x[1-9][0-9]{1,4})$")]
+
+
+class ImageRequest(WireModel):
+    """OpenAI's `/v1/images/generations`, with the diffusion knobs Dynamo's image worker takes."""
+
+    kind: Literal["image"] = "image"
+    request_id: RequestId
+    reply_to: Inbox
+    model: str = Field(min_length=1)
+    prompt: str = Field(min_length=1, max_length=4000)
+    negative_prompt: str | None = Field(default=None, max_length=4000)
+    n: int = Field(default=1, ge=1, le=10)
+    size: ImageSize = "auto"
+    # b64_json: the PNG's bytes travel in the reply frames; url: the worker stores the PNG, the frame names it.
+    response_format: Literal["b64_json", "url"] = "b64_json"
+    # None draws a random seed (reported back), so a result can be reproduced.
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    num_inference_steps: int = Field(default=50, ge=1, le=500)
+    guidance_scale: float = Field(default=7.5, ge=0.0, le=50.0)
+
+
+ClientRequest = Annotated[ChatRequest | CompletionRequest | EmbeddingRequest | ImageRequest, Field(discriminator="kind")]
 CLIENT_REQUEST = TypeAdapter(ClientRequest)

@@ -6,17 +6,27 @@ from typing import Any
 
 from pydantic import BaseModel, TypeAdapter
 
-from schemas.client import CLIENT_REQUEST, ChatRequest, CompletionRequest, EmbeddingRequest
+from schemas.client import CLIENT_REQUEST, ChatRequest, CompletionRequest, EmbeddingRequest, ImageRequest
 from schemas.control import Cancel
 from schemas.kv_events import KvEventBatch
 from schemas.registry import WorkerCard
-from schemas.replies import REPLY_FRAME, EmbeddingResult, ErrorFrame, FinalFrame, Heartbeat, TokenChunk
-from schemas.tasks import DecodeTask, EmbedTask, EncodeTask, PrefillTask
+from schemas.replies import (
+    REPLY_FRAME,
+    EmbeddingResult,
+    ErrorFrame,
+    FinalFrame,
+    Heartbeat,
+    ImageData,
+    ImageProgress,
+    ImageResult,
+    TokenChunk,
+)
+from schemas.tasks import DecodeTask, EmbedTask, EncodeTask, ImageTask, PrefillTask
 
 MESSAGES: tuple[type[BaseModel], ...] = (
-    ChatRequest, CompletionRequest, EmbeddingRequest,
-    EncodeTask, PrefillTask, DecodeTask, EmbedTask,
-    TokenChunk, Heartbeat, FinalFrame, ErrorFrame, EmbeddingResult,
+    ChatRequest, CompletionRequest, EmbeddingRequest, ImageRequest,
+    EncodeTask, PrefillTask, DecodeTask, EmbedTask, ImageTask,
+    TokenChunk, Heartbeat, FinalFrame, ErrorFrame, EmbeddingResult, ImageProgress, ImageData, ImageResult,
     Cancel, KvEventBatch, WorkerCard,
 )
 UNIONS: dict[str, TypeAdapter[Any]] = {"ClientRequest": CLIENT_REQUEST, "ReplyFrame": REPLY_FRAME}

@@ -19,7 +19,7 @@ class Stage(StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
     EMBED = "embed"
-    DIFFUSION = "diffusion"
+    IMAGE = "image"
 
 
 class ServingMode(StrEnum):
@@ -28,6 +28,7 @@ class ServingMode(StrEnum):
     ENCODE_AGGREGATED = "encode-aggregated"  # E/PD: processor → encode → decode
     ENCODE_DISAGGREGATED = "encode-disaggregated"  # E/P/D: processor → encode → prefill → decode
     EMBEDDING = "embedding"  # processor → embed
+    IMAGE = "image"  # processor → image (a diffusion pipeline)
 
 
 class BootstrapEndpoint(WireModel):

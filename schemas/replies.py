@@ -1,7 +1,8 @@
 """Frames a worker publishes to a request's reply inbox (core NATS, in order, numbered).
 
 A stream is zero or more `TokenChunk` / `Heartbeat` frames ended by exactly one terminal frame:
-`FinalFrame`, `ErrorFrame` or `EmbeddingResult`. `seq` counts from 0 per request, so a receiver can
+`FinalFrame`, `ErrorFrame`, `EmbeddingResult` or `ImageResult` (after `ImageProgress` and
+`ImageData` frames). `seq` counts from 0 per request, so a receiver can
 detect a lost frame. A replica that takes over a request mid-stream (migration) goes on with the
 numbering and first sends again the last frame its predecessor may have sent: a receiver drops a frame
 whose `seq` it has already seen. A sender that has been quiet for its heartbeat interval sends a `Heartbeat`
@@ -144,6 +145,44 @@ class EmbeddingResult(WireModel):
     usage: Usage
 
 
+class ImageProgress(WireModel):
+    """Denoising progress of an image request: `step` of `num_steps` done (for a progress bar)."""
+
+    kind: Literal["image_progress"] = "image_progress"
+    request_id: RequestId
+    seq: int = Field(ge=0)
+    step: int = Field(ge=0)
+    num_steps: int = Field(ge=1)
+
+
+class ImageData(WireModel):
+    """One generated image, or a piece of one: a PNG larger than a NATS message travels in several frames
+    of the same `index`, to be joined in order until the one marked `last`. With `url` the image was stored
+    and only its address travels."""
+
+    kind: Literal["image_data"] = "image_data"
+    request_id: RequestId
+    seq: int = Field(ge=0)
+    index: int = Field(ge=0)
+    png: bytes | None = None
+    url: str | None = None
+    last: bool = True
+
+
+class ImageResult(WireModel):
+    """The end of an image request: every image was sent."""
+
+    kind: Literal["images"] = "images"
+    request_id: RequestId
+    seq: int = Field(ge=0)
+    model: str
+    num_images: int = Field(ge=0)
+    width: int = Field(ge=1)
+    height: int = Field(ge=1)
+    # The seed the first image was drawn with (image i used seed + i): the request can be reproduced.
+    seed: int = Field(ge=0)
+
+
 class AliveAnswer(WireModel):
     """A receiver's answer to a liveness probe on `{inbox}.alive` (an empty answer also means alive).
 
@@ -155,7 +194,8 @@ class AliveAnswer(WireModel):
 
 
 ReplyFrame = Annotated[
-    TokenChunk | Heartbeat | FinalFrame | ErrorFrame | EmbeddingResult, Field(discriminator="kind")
+    TokenChunk | Heartbeat | FinalFrame | ErrorFrame | EmbeddingResult | ImageProgress | ImageData | ImageResult,
+    Field(discriminator="kind"),
 ]
 REPLY_FRAME = TypeAdapter(ReplyFrame)
-TerminalFrame = FinalFrame | ErrorFrame | EmbeddingResult
+TerminalFrame = FinalFrame | ErrorFrame | EmbeddingResult | ImageResult

@@ -122,3 +122,18 @@ class EmbedTask(Task):
     inputs: list[list[int]] = Field(min_length=1)
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
+
+
+class ImageTask(Task):
+    """An image request as the processor checked it; sizes are the image worker's to check (they are the model's)."""
+
+    kind: Literal["image"] = "image"
+    model: str = Field(min_length=1)
+    prompt: str = Field(min_length=1)
+    negative_prompt: str | None = None
+    n: int = Field(ge=1, le=10)
+    size: str
+    response_format: Literal["b64_json", "url"]
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    num_inference_steps: int = Field(ge=1, le=500)
+    guidance_scale: float = Field(ge=0.0, le=50.0)

@@ -12,6 +12,7 @@ from schemas.client import (
     CompletionRequest,
     EmbeddingRequest,
     ImagePart,
+    ImageRequest,
     MediaUrl,
     ResponseFormat,
     StreamFormat,
@@ -35,6 +36,9 @@ from schemas.replies import (
     FinalFrame,
     FinishReason,
     Heartbeat,
+    ImageData,
+    ImageProgress,
+    ImageResult,
     TokenChunk,
     TokenLogprob,
     TopLogprob,
@@ -47,6 +51,7 @@ from schemas.tasks import (
     EncodedImages,
     EmbedTask,
     EncodeTask,
+    ImageTask,
     MediaItem,
     NixlHandle,
     PrefillTask,
@@ -89,6 +94,8 @@ EVERY_MESSAGE: list[BaseModel] = [
     CompletionRequest(request_id="r2", reply_to="_INBOX.r2", model="m", prompt=[1, 2, 3], stop="x"),
     CompletionRequest(request_id="r3", reply_to="_INBOX.r3", model="m", prompt="Once upon"),
     EmbeddingRequest(request_id="r4", reply_to="_INBOX.r4", model="e", input=["a", "b"], encoding_format="base64"),
+    ImageRequest(request_id="r5", reply_to="_INBOX.r5", model="sd", prompt="a red fox", n=2, size="512x512",
+                 response_format="url", seed=7, num_inference_steps=20, guidance_scale=5.0),
     EncodeTask(header=HEADER, request=PREPROCESSED, next_stage="prefill"),
     PrefillTask(header=HEADER, request=PREPROCESSED, bootstrap_room=2**63 - 1,
                 encoded_images=EncodedImages(token_ids=[1, 7, 7, 2], rows=NIXL)),
@@ -96,6 +103,8 @@ EVERY_MESSAGE: list[BaseModel] = [
                bootstrap=BootstrapInfo(bootstrap_host="10.0.0.2", bootstrap_port=8998, bootstrap_room=12345),
                encoded_images=EncodedImages(token_ids=[1, 7, 7, 2])),
     EmbedTask(header=HEADER, model="e", inputs=[[1, 2], [3]], dimensions=128),
+    ImageTask(header=HEADER, model="sd", prompt="a red fox", negative_prompt="blur", n=1, size="auto",
+              response_format="b64_json", seed=None, num_inference_steps=50, guidance_scale=7.5),
     TokenChunk(request_id="r1", seq=0, token_ids=[5, 6], text="hé", index=1,
                logprobs=[TokenLogprob(token_id=5, logprob=-0.1, top=[TopLogprob(token_id=9, logprob=-2.0)])],
                openai=ChatCompletionChunk(id="r1", created=1, model="m",
@@ -106,6 +115,10 @@ EVERY_MESSAGE: list[BaseModel] = [
     EmbeddingResult(request_id="r4", seq=0, model="e",
                     data=[Embedding(index=0, vector=[0.1, 0.2]), Embedding(index=1, vector=b"\x00\x00\x80?")],
                     usage=Usage.of(4, 0)),
+    ImageProgress(request_id="r5", seq=0, step=3, num_steps=20),
+    ImageData(request_id="r5", seq=1, index=0, png=b"\x89PNG...", last=False),
+    ImageData(request_id="r5", seq=2, index=1, url="file:///srv/images/r5-1.png"),
+    ImageResult(request_id="r5", seq=3, model="sd", num_images=2, width=512, height=512, seed=7),
     Cancel(request_id="r1", reason="user pressed stop", sent_at_s=1700000001.0),
     KvEventBatch(worker_id="decode-a", seq=4, ts=1.5, data_parallel_rank=1, events=[
         BlockStored(block_hashes=[-5, 2**64 - 1], parent_block_hash=None, token_ids=list(range(32)), block_size=16),
@@ -126,14 +139,15 @@ def test_every_message_round_trips_through_msgpack(message: BaseModel) -> None:
 
 
 def test_client_requests_decode_through_the_union_by_kind() -> None:
-    for message in EVERY_MESSAGE[:4]:
+    for message in EVERY_MESSAGE[:5]:
         assert decode_as(encode(message), CLIENT_REQUEST) == message
 
 
 def test_reply_frames_decode_through_the_union_by_kind() -> None:
     frames = [m for m in EVERY_MESSAGE if type(m).__name__ in {"TokenChunk", "Heartbeat", "FinalFrame",
-                                                                "ErrorFrame", "EmbeddingResult"}]
-    assert len(frames) == 5
+                                                                "ErrorFrame", "EmbeddingResult", "ImageProgress",
+                                                                "ImageData", "ImageResult"}]
+    assert len(frames) == 9
     for frame in frames:
         assert decode_as(encode(frame), REPLY_FRAME) == frame
 
@@ -167,6 +181,14 @@ def test_guided_decoding_needs_exactly_one_constraint() -> None:
         GuidedDecoding()
     with pytest.raises(ValidationError):
         GuidedDecoding(json_schema={}, regex="a+")
+
+
+@pytest.mark.parametrize(("field", "value"), [("n", 0), ("n", 11), ("size", "512"), ("size", "0x512"),
+                                              ("size", "512x512x3"), ("num_inference_steps", 0), ("guidance_scale", -1)])
+def test_out_of_range_image_options_are_refused(field: str, value: object) -> None:
+    request = {"kind": "image", "request_id": "r", "reply_to": "_INBOX.r", "model": "sd", "prompt": "a fox"}
+    with pytest.raises(ValidationError, match=field):
+        CLIENT_REQUEST.validate_python({**request, field: value})
 
 
 def test_reply_inbox_with_wildcards_is_refused() -> None:

@@ -225,17 +225,18 @@ RouterOption = Annotated[str, typer.Option("--router", envvar="CONVEYOR_ROUTER",
 ModeOption = Annotated[str, typer.Option("--mode", envvar="CONVEYOR_MODE",
                                          help="aggregated (processor → decode; images encoded by the decode worker: EPD), "
                                               "disaggregated (→ prefill → decode), encode-aggregated (→ encode → decode: "
-                                              "E/PD) or encode-disaggregated (→ encode → prefill → decode: E/P/D).")]
+                                              "E/PD), encode-disaggregated (→ encode → prefill → decode: E/P/D), "
+                                              "embedding (→ embed) or image (→ image: a diffusion pipeline).")]
 
 
 # Tasks a worker holds at once, where 32 is wrong: an encode worker's tasks each need the CPU (or GPU) at
 # once, so one that pulled 32 would encode them one after another while its replicas had nothing.
-_DEFAULT_CONCURRENCY = {"encode": 4}
+_DEFAULT_CONCURRENCY = {"encode": 4, "image": 1}
 
 
 @app.command()
 def worker(
-    stage: Annotated[str, typer.Argument(help="processor, encode, prefill or decode.")],
+    stage: Annotated[str, typer.Argument(help="processor, encode, prefill, decode, embed or image.")],
     model: Annotated[list[str] | None, typer.Option("--model", envvar="CONVEYOR_MODEL", help="Model to serve (processor: repeat for several). Default: SmolLM2-135M-Instruct.")] = None,
     engine: EngineOption = "torch",
     mode: ModeOption = "aggregated",
@@ -252,6 +253,12 @@ def worker(
         "mid-stream (0: never; the client gets a retryable worker_lost error, and no reply journal is kept)."))] = 3,
     migration_max_seq_len: Annotated[int | None, typer.Option(min=1, help=(
         "Decode: do not migrate a request whose prompt plus streamed tokens exceed this (default: no bound)."))] = None,
+    image_storage_url: Annotated[str | None, typer.Option(envvar="CONVEYOR_IMAGE_STORAGE_URL", help=(
+        "Image workers: where response_format=url images are written (a directory or any fsspec URL, e.g. "
+        "s3://bucket/images with s3fs installed). Default: ~/.cache/conveyor/images."))] = None,
+    image_base_url: Annotated[str | None, typer.Option(envvar="CONVEYOR_IMAGE_BASE_URL", help=(
+        "Image workers: the base of the URLs clients get for stored images (e.g. the https:// address a web "
+        "server publishes the storage under). Default: the storage URL itself."))] = None,
     router: RouterOption = "queue",
     router_temperature: Annotated[float, typer.Option(min=0.0, help=(
         "Processor, --router kv: 0 sends each prompt to the cheapest replica; above 0 samples replicas by cost "
@@ -274,20 +281,23 @@ def worker(
     """
     from schemas.registry import ServingMode, Stage
     from workers.engines.factory import EngineKind
-    from workers.engines.torch_engine.loader import DEFAULT_MODEL
     from workers.runtime import WorkerOptions, WorkerRuntime
     from bus.router import RouterMode, RouterOptions
     from workers.decode import MigrationPolicy
-    from workers.stages import build_stage
+    from workers.image import ImageStorage
+    from workers.stages import build_stage, default_image_storage
 
     configure_logging(log_level)
     nats_settings, bus_settings = load_settings(nats, namespace)
     stage_kind, serving_mode, engine_kind = Stage(stage), ServingMode(mode), EngineKind(engine)
-    models = model or [DEFAULT_MODEL if engine_kind != EngineKind.MOCK else "mock"]
+    # Embed and image workers serve one mode whatever --mode says.
+    serving_mode = {Stage.EMBED: ServingMode.EMBEDDING, Stage.IMAGE: ServingMode.IMAGE}.get(stage_kind, serving_mode)
+    models = model or [_default_model(stage_kind, engine_kind)]
+    storage = ImageStorage(image_storage_url or default_image_storage().url, image_base_url)
     built = build_stage(stage_kind, engine_kind, models, serving_mode, load_format,
                         MigrationPolicy(migration_limit, migration_max_seq_len),
                         RouterOptions(RouterMode(router), router_overlap_weight, router_temperature,
-                                      local_prefill_max_tokens))
+                                      local_prefill_max_tokens), image_storage=storage)
     options = WorkerOptions(
         stage=stage_kind, model=models[0], mode=serving_mode, engine_name=engine_kind.value, http_host=http_host,
         http_port=http_port, max_concurrency=max_concurrency or _DEFAULT_CONCURRENCY.get(stage_kind, 32),
@@ -295,6 +305,21 @@ def worker(
         coalesce_window_s=coalesce_ms / 1000,
     )
     run_loop(WorkerRuntime(built, options, nats_settings, bus_settings).run())
+
+
+def _default_model(stage: object, engine: object) -> str:
+    """The bundled model a stage serves when --model is not given."""
+    from schemas.registry import Stage
+    from workers.engines.factory import EngineKind
+    from workers.engines.torch_engine.embedding import EMBEDDING_MODEL
+    from workers.engines.torch_engine.image_diffusion import SEEDED_IMAGE_MODEL
+    from workers.engines.torch_engine.loader import DEFAULT_MODEL
+
+    if stage == Stage.IMAGE:
+        return SEEDED_IMAGE_MODEL
+    if stage == Stage.EMBED:
+        return EMBEDDING_MODEL
+    return "mock" if engine == EngineKind.MOCK else DEFAULT_MODEL
 
 
 @app.command()
@@ -325,16 +350,20 @@ def up(
     """
     import os
 
-    from schemas.registry import ServingMode
+    from schemas.registry import ServingMode, Stage
     from workers.engines.factory import EngineKind
-    from workers.engines.torch_engine.loader import DEFAULT_MODEL
     from workers.launcher import UpOptions, run_up
 
     configure_logging(log_level)
     nats_settings, bus_settings = load_settings(nats, namespace)
     embedded = nats is None and "CONVEYOR_NATS_URLS" not in os.environ
-    served = model or (DEFAULT_MODEL if EngineKind(engine) != EngineKind.MOCK else "mock")
-    options = UpOptions(model=served, engine=engine, mode=ServingMode(mode), decode_replicas=decode_replicas,
+    serving_mode = ServingMode(mode)
+    if ask_prompt is not None and serving_mode in (ServingMode.EMBEDDING, ServingMode.IMAGE):
+        raise typer.BadParameter(f"--ask asks a language model; in {mode} mode use `conveyor "
+                                 f"{'embed' if serving_mode == ServingMode.EMBEDDING else 'image'}` once it is up")
+    served = model or _default_model({ServingMode.EMBEDDING: Stage.EMBED, ServingMode.IMAGE: Stage.IMAGE}.get(
+        serving_mode, Stage.DECODE), EngineKind(engine))
+    options = UpOptions(model=served, engine=engine, mode=serving_mode, decode_replicas=decode_replicas,
                         question=ask_prompt, exit_after_question=exit_after, max_tokens=max_tokens, log_level=log_level,
                         load_format=load_format, ready_timeout_s=ready_timeout_s,
                         gateway_port=gateway_port if gateway else None, router=router)
@@ -415,6 +444,49 @@ def embed_command(
         vector = list(item.vector) if not isinstance(item.vector, bytes) else []
         typer.echo(json.dumps({"index": item.index, "dimensions": len(vector), "embedding": vector}))
     typer.echo(f"[conveyor] {result.usage.prompt_tokens} tokens embedded by {result.model}", err=True)
+
+
+@app.command("image")
+def image_command(
+    prompt: Annotated[str, typer.Argument(help="What to draw.")],
+    out: Annotated[Path, typer.Option("--out", help=(
+        "PNG file to write; with -n above 1, image i goes to NAME-i.png beside it."))] = Path("image.png"),
+    model: Annotated[str, typer.Option("--model", help="Image model (default: tiny-sd-seeded, built from a config; "
+                                                      "or a diffusers directory the image workers can read).")] = (
+        "tiny-sd-seeded"),
+    num_images: Annotated[int, typer.Option("-n", min=1, max=10, help="How many images.")] = 1,
+    size: Annotated[str, typer.Option(help="WIDTHxHEIGHT in pixels, or auto (the model's own size).")] = "auto",
+    steps: Annotated[int, typer.Option(min=1, max=500, help="Denoising steps.")] = 50,
+    guidance: Annotated[float, typer.Option(min=0.0, max=50.0, help="Classifier-free guidance scale.")] = 7.5,
+    negative_prompt: Annotated[str | None, typer.Option(help="What the image should not show.")] = None,
+    seed: Annotated[int | None, typer.Option(min=0, help="Seed for reproducible images (default: random, printed).")] = None,
+    timeout_s: Annotated[float, typer.Option(help="Longest wait for the first frame.")] = 120.0,
+    nats: NatsOption = None,
+    namespace: NamespaceOption = None,
+    log_level: LogLevelOption = "WARNING",
+) -> None:
+    """Generate images through the bus (processor → image worker), with a progress line, and write PNGs."""
+    import uuid
+
+    from schemas.client import ImageRequest
+    from workers.client_commands import generate_images
+
+    configure_logging(log_level)
+    nats_settings, bus_settings = load_settings(nats, namespace)
+    request = ImageRequest(request_id=f"img-{uuid.uuid4().hex[:16]}", reply_to="_INBOX.unset", model=model,
+                           prompt=prompt, negative_prompt=negative_prompt, n=num_images, size=size, seed=seed,
+                           num_inference_steps=steps, guidance_scale=guidance)
+
+    def on_progress(step: int, num_steps: int) -> None:
+        typer.echo(f"\r[conveyor] step {step}/{num_steps}", err=True, nl=step == num_steps)
+
+    pngs, result = _run_client(generate_images(nats_settings, bus_settings, request, on_progress, timeout_s))
+    paths = [out] if len(pngs) == 1 else [out.with_name(f"{out.stem}-{index}{out.suffix}") for index in range(len(pngs))]
+    for path, png in zip(paths, pngs, strict=True):
+        path.write_bytes(png)
+        typer.echo(str(path))
+    typer.echo(f"[conveyor] {len(pngs)} image(s) {result.width}x{result.height} by {result.model}, seed {result.seed}",
+               err=True)
 
 
 @app.command("chat")

@@ -6,14 +6,15 @@ import asyncio
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from bus.client import PipelineClient, open_client
 from bus.errors import RemoteError, ReplyStreamBroken
 from bus.registry import ready_models
 from bus.settings import BusSettings, NatsSettings
-from schemas.client import ChatMessage, ChatRequest, EmbeddingRequest, StreamFormat
-from schemas.replies import EmbeddingResult, FinalFrame
+from schemas.client import ChatMessage, ChatRequest, EmbeddingRequest, ImageRequest, StreamFormat
+from schemas.replies import EmbeddingResult, FinalFrame, ImageResult
 
 
 class NoWorkerServes(RuntimeError):
@@ -87,6 +88,19 @@ async def embed(nats: NatsSettings, bus: BusSettings, model: str, texts: list[st
             _, result = await stream.collect()
     assert isinstance(result, EmbeddingResult)
     return result
+
+
+async def generate_images(nats: NatsSettings, bus: BusSettings, request: ImageRequest,
+                          on_progress: Callable[[int, int], None], timeout_s: float) -> tuple[list[bytes], ImageResult]:
+    """Images through the pipeline (processor → image worker), PNG bytes in the reply frames."""
+    async with open_client(nats, bus, "conveyor-image") as client:
+        await ensure_model_ready(client, bus, request.model)
+        request = request.model_copy(update={"reply_to": client.new_inbox(), "response_format": "b64_json"})
+        async with await client.submit(request, first_frame_timeout_s=timeout_s) as stream:
+            images, result = await stream.collect_images(on_progress)
+    if not isinstance(result, ImageResult):
+        raise RuntimeError(f"the image request ended without images ({result.finish_reason.value})")
+    return [image for image in images if isinstance(image, bytes)], result
 
 
 async def _ask_once(client: PipelineClient, model: str, messages: list[ChatMessage], max_tokens: int | None,

@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP gateway: a process of its own and an ordinary NATS client of the pipeline.
 
 Serves `/v1/chat/completions`, `/v1/completions` (streaming over SSE, with
-`stream_options.include_usage`, or whole responses), `/v1/models` (the models the registry shows
+`stream_options.include_usage`, or whole responses), `/v1/embeddings`, `/v1/images/generations`
+(`b64_json` or `url`), `/v1/models` (the models the registry shows
 ready) and `/health`. Each HTTP request becomes one `ChatRequest` / `CompletionRequest` published to
 `{ns}.work.processor` with its own reply inbox; the reply frames are turned back into OpenAI JSON.
 
@@ -31,8 +32,16 @@ from bus.client import PipelineClient
 from bus.errors import RejectRequest, RemoteError, ReplyGap, ReplyStreamBroken
 from bus.registry import ready_models
 from bus.replies import ReplyStream
-from schemas.client import ChatMessage, ChatRequest, CompletionRequest, EmbeddingRequest, ResponseFormat, StreamFormat
-from schemas.replies import EmbeddingResult, ErrorCode, FinalFrame, TokenChunk, Usage
+from schemas.client import (
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    ImageRequest,
+    ResponseFormat,
+    StreamFormat,
+)
+from schemas.replies import EmbeddingResult, ErrorCode, FinalFrame, ImageResult, TokenChunk, Usage
 
 log = structlog.get_logger(__name__)
 
@@ -100,6 +109,22 @@ class EmbeddingBody(BaseModel):
     dimensions: int | None = None
 
 
+class ImageBody(BaseModel):
+    """OpenAI's image-generation body, with the diffusion knobs SGLang's and Dynamo's servers take."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    prompt: str
+    n: int = 1
+    size: str = "auto"
+    response_format: str = "b64_json"
+    seed: int | None = None
+    negative_prompt: str | None = None
+    num_inference_steps: int = 50
+    guidance_scale: float = 7.5
+
+
 @dataclass(frozen=True, slots=True)
 class GatewayOptions:
     host: str = "0.0.0.0"
@@ -149,6 +174,7 @@ class Gateway:
             web.post("/v1/chat/completions", self.chat_completions),
             web.post("/v1/completions", self.completions),
             web.post("/v1/embeddings", self.embeddings),
+            web.post("/v1/images/generations", self.images),
             web.get("/v1/models", self.models),
             web.get("/health", self.health),
         ])
@@ -207,6 +233,21 @@ class Gateway:
         usage = {"prompt_tokens": result.usage.prompt_tokens, "total_tokens": result.usage.prompt_tokens}
         return web.json_response({"object": "list", "data": data, "model": result.model, "usage": usage},
                                  headers={"x-request-id": message.request_id})
+
+    async def images(self, request: web.Request) -> web.Response:
+        body = await _parse(request, ImageBody)
+        await self._require_model(body.model)
+        message = _build(ImageRequest, request_id=f"img-{uuid.uuid4().hex[:24]}", reply_to=self._client.new_inbox(),
+                         **body.model_dump())
+        async with await self._client.submit(message, first_frame_timeout_s=self._options.first_token_timeout_s) as stream:
+            async with _as_http_errors():
+                images, result = await stream.collect_images()
+        if not isinstance(result, ImageResult):
+            raise OpenAIError(500, "the image request was cancelled", "server_error")
+        data = [{"url": image} if isinstance(image, str) else {"b64_json": base64.b64encode(image).decode()}
+                for image in images]
+        return web.json_response({"created": int(time.time()), "data": data},
+                                 headers={"x-request-id": message.request_id, "x-image-seed": str(result.seed)})
 
     async def _serve(self, http: web.Request, message: ChatRequest | CompletionRequest, body: _OpenAIBody,
                      chat: bool) -> web.StreamResponse:
@@ -336,10 +377,17 @@ async def _send(response: web.StreamResponse, event: dict[str, Any]) -> None:
     await response.write(b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n")
 
 
-async def _collect(stream: ReplyStream) -> tuple[list[TokenChunk], FinalFrame | EmbeddingResult]:
+async def _collect(stream: ReplyStream) -> tuple[list[TokenChunk], FinalFrame | EmbeddingResult | ImageResult]:
     """The whole reply; an error frame or a broken stream as the HTTP error it means."""
-    try:
+    async with _as_http_errors():
         return await stream.collect()
+
+
+@asynccontextmanager
+async def _as_http_errors() -> AsyncIterator[None]:
+    """An error frame or a broken reply stream as the HTTP error it means."""
+    try:
+        yield
     except RemoteError as error:
         raise OpenAIError.of_remote(error) from None
     except (ReplyStreamBroken, ReplyGap) as error:

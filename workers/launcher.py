@@ -54,6 +54,7 @@ def stages_for(mode: ServingMode) -> list[Stage]:
         ServingMode.ENCODE_AGGREGATED: [Stage.PROCESSOR, Stage.ENCODE, Stage.DECODE],
         ServingMode.ENCODE_DISAGGREGATED: [Stage.PROCESSOR, Stage.ENCODE, Stage.PREFILL, Stage.DECODE],
         ServingMode.EMBEDDING: [Stage.PROCESSOR, Stage.EMBED],
+        ServingMode.IMAGE: [Stage.PROCESSOR, Stage.IMAGE],
     }.get(mode, [Stage.PROCESSOR, Stage.DECODE])
 
 

@@ -1,11 +1,13 @@
 """Processor stage: turn what users send into work for the engines.
 
 Consumes `ChatRequest` / `CompletionRequest` / `EmbeddingRequest` (OpenAI shapes, msgpack) from
-`{ns}.work.processor` — the subject any NATS client publishes to. For each it applies the model's
+`{ns}.work.processor` — the subject any NATS client publishes to — and `ImageRequest`s. For each it applies the model's
 chat template (chat), tokenizes (text prompts; token-id prompts skip both), validates, maps the
 OpenAI fields onto sampling options and stop conditions, and routes by the model's serving mode,
 read from the live worker cards: aggregated → `DecodeTask` on `{ns}.work.decode.{model}`,
-disaggregated → `PrefillTask` on `{ns}.work.prefill.{model}`, embeddings → `EmbedTask`. A chat with images
+disaggregated → `PrefillTask` on `{ns}.work.prefill.{model}`, embeddings → `EmbedTask`, images → `ImageTask`
+on `{ns}.work.image.{model}` (no tokenizer: the image worker's pipeline has its own; a seed is drawn when none
+was given). A chat with images
 gets one placeholder token per image and goes to `{ns}.work.encode.{model}` (`EncodeTask`, naming prefill or
 decode as the next stage, by the encode workers' mode) when encode workers are live, else, with its images, to an
 LLM worker that encodes in-process (EPD).
@@ -31,6 +33,7 @@ values never reach here: the consumer answers them with `invalid_request` from t
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 import uuid
 from dataclasses import dataclass
@@ -50,6 +53,7 @@ from schemas.client import (
     ChatRequest,
     CompletionRequest,
     EmbeddingRequest,
+    ImageRequest,
     GenerationRequest,
     ResponseFormat,
     TextPart,
@@ -59,7 +63,16 @@ from schemas.base import WireModel
 from schemas.registry import ServingMode, Stage, WorkerCard
 from schemas.replies import ErrorCode
 from schemas.sampling import GuidedDecoding, OutputOptions, SamplingOptions, StopConditions
-from schemas.tasks import DecodeTask, EmbedTask, EncodeTask, MediaItem, PrefillTask, PreprocessedRequest, TaskHeader
+from schemas.tasks import (
+    DecodeTask,
+    EmbedTask,
+    EncodeTask,
+    ImageTask,
+    MediaItem,
+    PrefillTask,
+    PreprocessedRequest,
+    TaskHeader,
+)
 from workers.runtime import StageContext
 
 log = structlog.get_logger(__name__)
@@ -155,9 +168,14 @@ class ProcessorStage:
             if not model.tokenizer.encode("canary"):
                 raise RuntimeError(f"tokenizer of {model.name} produced no tokens")
 
-    async def handle(self, request: ChatRequest | CompletionRequest | EmbeddingRequest, delivery: Delivery) -> None:
+    async def handle(self, request: ChatRequest | CompletionRequest | EmbeddingRequest | ImageRequest,
+                     delivery: Delivery) -> None:
         assert self._context is not None
         QUEUE_SECONDS.labels(stage=Stage.PROCESSOR.value).observe(delivery.queued_s)
+        if isinstance(request, ImageRequest):
+            await self._route_image(request, time.time() - delivery.queued_s, delivery)
+            REQUESTS.labels(stage=Stage.PROCESSOR.value, model=request.model, outcome="routed").inc()
+            return
         model = self._models.get(request.model)
         if model is None:
             raise RejectRequest(ErrorCode.UNKNOWN_MODEL,
@@ -255,6 +273,18 @@ class ProcessorStage:
         task = EmbedTask(header=header, model=model.name, inputs=token_lists, encoding_format=request.encoding_format,
                          dimensions=request.dimensions)
         await self._forward(Stage.EMBED, task, request.request_id, delivery, model.name)
+
+    async def _route_image(self, request: ImageRequest, created_at_s: float, delivery: Delivery) -> None:
+        """No tokenizer here: the image workers' pipeline has its own. A processor serves every image model
+        that has a live image worker, without loading it."""
+        await self._require_stages(request.model, ServingMode.IMAGE)
+        header = TaskHeader(request_id=request.request_id, reply_to=request.reply_to, created_at_s=created_at_s)
+        # Drawn here, not by the worker, so a redelivered task (its worker died) makes the same images.
+        seed = request.seed if request.seed is not None else secrets.randbelow(2**31)
+        task = ImageTask(header=header, model=request.model, prompt=request.prompt, negative_prompt=request.negative_prompt,
+                         n=request.n, size=request.size, response_format=request.response_format, seed=seed,
+                         num_inference_steps=request.num_inference_steps, guidance_scale=request.guidance_scale)
+        await self._forward(Stage.IMAGE, task, request.request_id, delivery, request.model)
 
     async def _forward(self, stage: Stage, task: WireModel, request_id: str, delivery: Delivery, model: str,
                        worker_id: str | None = None) -> None:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import uuid
+from pathlib import Path
 
 from bus.router import RouterOptions
 from workers.decode import DecodeStage, MigrationPolicy
 from workers.embed import EmbedStage
+from workers.engines.torch_engine.image_diffusion import is_image_model
+from workers.image import ImageStage, ImageStorage
 from workers.encode import EncodeStage
 from workers.media import ImageInputs, MediaEncoder, MediaLimits
 from workers.engines.torch_engine.vision import placeholder_id
@@ -22,9 +25,11 @@ MOCK_CONTEXT_LENGTH = 8192
 
 
 def build_stage(stage: Stage, kind: EngineKind, models: list[str], mode: ServingMode, load_format: str,
-                migration: MigrationPolicy | None = None, router: RouterOptions = RouterOptions()) -> PipelineStage:
+                migration: MigrationPolicy | None = None, router: RouterOptions = RouterOptions(),
+                image_storage: ImageStorage | None = None) -> PipelineStage:
     if stage == Stage.PROCESSOR:
-        return ProcessorStage({name: served_model(kind, name) for name in models}, router)
+        # Image requests need no model here (the image workers' pipelines tokenize their own prompts).
+        return ProcessorStage({name: served_model(kind, name) for name in models if not is_image_model(name)}, router)
     if len(models) != 1:
         raise ValueError(f"a {stage.value} worker serves exactly one model (got {len(models)})")
     model = models[0]
@@ -32,6 +37,8 @@ def build_stage(stage: Stage, kind: EngineKind, models: list[str], mode: Serving
         return _encode_stage(kind, model)
     if stage == Stage.EMBED:
         return _embed_stage(kind, model)
+    if stage == Stage.IMAGE:
+        return image_stage(kind, model, image_storage or default_image_storage())
     if stage == Stage.PREFILL:
         return PrefillStage(create_engine(kind, model, DisaggregationRole.PREFILL, load_format), model,
                             _image_inputs(kind, model, Stage.PREFILL))
@@ -68,6 +75,19 @@ def _embed_stage(kind: EngineKind, model: str) -> EmbedStage:
     from workers.engines.torch_engine.loader import resolve_model
 
     return EmbedStage(SentenceEmbedder(resolve_model(model)), model)
+
+
+def image_stage(kind: EngineKind, model: str, storage: ImageStorage) -> ImageStage:
+    if kind != EngineKind.TORCH:
+        raise ValueError(f"image workers run diffusers on torch here (got --engine {kind.value}); use --engine torch")
+    from workers.engines.torch_engine.image_diffusion import ImageGenerator, resolve_image_model
+
+    return ImageStage(ImageGenerator(resolve_image_model(model)), model, storage)
+
+
+def default_image_storage() -> ImageStorage:
+    """`response_format: url` images in a local directory unless told (`--image-storage-url`)."""
+    return ImageStorage(url=(Path.home() / ".cache" / "conveyor" / "images").as_uri())
 
 
 def _encode_stage(kind: EngineKind, model: str) -> EncodeStage:
