@@ -18,9 +18,15 @@ def create_engine(kind: EngineKind, model: str | None, role: DisaggregationRole 
                   load_format: str = "auto") -> Engine:
     """An engine that is not started yet; `await engine.start()` loads it."""
     if kind == EngineKind.TORCH:
+        from workers.engines.torch_engine.diffusion_lm import DiffusionLMEngine, is_diffusion_model
         from workers.engines.torch_engine.engine import TorchEngine, TorchEngineConfig
-        from workers.engines.torch_engine.loader import DEFAULT_MODEL
+        from workers.engines.torch_engine.loader import DEFAULT_MODEL, resolve_model
 
+        model_dir = resolve_model(model or DEFAULT_MODEL)
+        if is_diffusion_model(model_dir):
+            if role != DisaggregationRole.NONE:
+                raise ValueError("a diffusion LM runs aggregated (prefill and decode are one denoising loop)")
+            return DiffusionLMEngine(model_dir, model or DEFAULT_MODEL)
         return TorchEngine(TorchEngineConfig(model=model or DEFAULT_MODEL, role=role, load_format=load_format))
     if kind == EngineKind.MOCK:
         from workers.engines.mock import MockEngine, MockEngineConfig

@@ -49,7 +49,8 @@ class ModelConfig:
     def from_dir(cls, model_dir: Path) -> ModelConfig:
         raw = json.loads((model_dir / "config.json").read_text())
         architecture = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
-        if architecture not in ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"):
+        # LLaDAModelLM: a diffusion LM, Llama's layers with bidirectional attention (diffusion_lm.py).
+        if architecture not in ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "LLaDAModelLM"):
             raise ValueError(f"{model_dir}: architecture {architecture} is not supported by the torch engine")
         rope = raw.get("rope_parameters") or {}
         num_heads = raw["num_attention_heads"]
@@ -93,6 +94,10 @@ def resolve_model(model: str | None) -> Path:
 
     if model == EMBEDDING_MODEL:
         return bundled_minilm()
+    from workers.engines.torch_engine.diffusion_lm import SEEDED_DLLM, seeded_dllm_dir
+
+    if model == SEEDED_DLLM:
+        return seeded_dllm_dir()
     path = Path(model).expanduser()
     if not (path / "config.json").exists():
         raise FileNotFoundError(
