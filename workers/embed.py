@@ -2,7 +2,7 @@
 
 Consumes `EmbedTask` from `{ns}.work.embed.{model}`: the processor has tokenized OpenAI's four input
 shapes (a text, texts, token ids, lists of token ids) into token-id lists. The worker encodes them in
-length-sorted batches (`SentenceEmbedder`), truncates to `dimensions` when asked (Matryoshka: cut, then
+length-sorted batches (`SentenceEmbedder` on torch; SGLang with `is_embedding` on a GPU), truncates to `dimensions` when asked (Matryoshka: cut, then
 normalized again), and answers with one `EmbeddingResult` frame: vectors in input order as float lists,
 or — `encoding_format: base64` — as the little-endian float32 bytes OpenAI base64-encodes; usage counts
 prompt tokens (completion tokens are 0).
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+from typing import Protocol
 
 import structlog
 import torch
@@ -35,6 +36,37 @@ log = structlog.get_logger(__name__)
 MAX_INPUTS = 2048
 
 
+class Embedder(Protocol):
+    """What the stage needs of a model: vectors for token-id lists, its size and its longest input."""
+
+    dimensions: int
+    max_tokens: int
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def embed(self, inputs: list[list[int]]) -> torch.Tensor:
+        """[len(inputs), dimensions] float32, in input order."""
+
+
+class TorchEmbedder:
+    """A sentence-transformers model on torch, in a thread (a forward uses every core)."""
+
+    def __init__(self, model: SentenceEmbedder) -> None:
+        self._model = model
+        self.dimensions, self.max_tokens = model.dimensions, model.max_tokens
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    async def embed(self, inputs: list[list[int]]) -> torch.Tensor:
+        return await asyncio.to_thread(self._model.embed, inputs)
+
+
 class EmbedStage:
     task_type = EmbedTask
     accepts_media = False
@@ -42,25 +74,25 @@ class EmbedStage:
     # No generation engine: no KV events, load gauges or engine-control routes.
     engine = None
 
-    def __init__(self, embedder: SentenceEmbedder, model: str) -> None:
+    def __init__(self, embedder: Embedder, model: str) -> None:
         self._embedder = embedder
         self.model = self.consumes_model = model
 
     async def start(self, context: StageContext) -> None:
-        return None
+        await self._embedder.start()
 
     async def stop(self) -> None:
-        return None
+        await self._embedder.stop()
 
     async def canary(self) -> None:
-        vectors = await asyncio.to_thread(self._embedder.embed, [[101, 102]])
+        vectors = await self._embedder.embed([[101, 102]])
         if vectors.shape != (1, self._embedder.dimensions) or not torch.isfinite(vectors).all():
             raise RuntimeError(f"embedding canary gave {tuple(vectors.shape)}")
 
     async def handle(self, task: EmbedTask, delivery: Delivery) -> None:
         QUEUE_SECONDS.labels(stage=Stage.EMBED.value).observe(delivery.queued_s)
         self._validate(task)
-        vectors = await asyncio.to_thread(self._embedder.embed, task.inputs)
+        vectors = await self._embedder.embed(task.inputs)
         num_tokens = sum(len(ids) for ids in task.inputs)
         if delivery.cancelled.is_set():
             await delivery.reply.finish(FinishReason.CANCELLED, Usage.of(num_tokens, 0))

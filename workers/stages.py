@@ -8,7 +8,7 @@ from pathlib import Path
 
 from bus.router import RouterOptions
 from workers.decode import DecodeStage, MigrationPolicy
-from workers.embed import EmbedStage
+from workers.embed import EmbedStage, TorchEmbedder
 from workers.engines.torch_engine.image_diffusion import is_image_model
 from workers.image import ImageStage, ImageStorage
 from workers.encode import EncodeStage
@@ -36,7 +36,7 @@ def build_stage(stage: Stage, kind: EngineKind, models: list[str], mode: Serving
     if stage == Stage.ENCODE:
         return _encode_stage(kind, model)
     if stage == Stage.EMBED:
-        return _embed_stage(kind, model)
+        return _embed_stage(kind, model, load_format)
     if stage == Stage.IMAGE:
         return image_stage(kind, model, image_storage or default_image_storage())
     if stage == Stage.PREFILL:
@@ -68,13 +68,17 @@ def _image_inputs(kind: EngineKind, model: str, stage: Stage) -> ImageInputs:
     return ImageInputs(_media_encoder(kind, model), reader_name=f"{stage.value}-images-{uuid.uuid4().hex[:12]}")
 
 
-def _embed_stage(kind: EngineKind, model: str) -> EmbedStage:
+def _embed_stage(kind: EngineKind, model: str, load_format: str = "auto") -> EmbedStage:
+    if kind == EngineKind.SGLANG:
+        from workers.engines.sglang_engine import SGLangEmbedder
+
+        return EmbedStage(SGLangEmbedder(model, load_format), model)
     if kind != EngineKind.TORCH:
-        raise ValueError(f"embedding workers run the torch engine here (got {kind.value}); use --engine torch")
+        raise ValueError(f"embedding workers run the torch or sglang engine (got {kind.value})")
     from workers.engines.torch_engine.embedding import SentenceEmbedder
     from workers.engines.torch_engine.loader import resolve_model
 
-    return EmbedStage(SentenceEmbedder(resolve_model(model)), model)
+    return EmbedStage(TorchEmbedder(SentenceEmbedder(resolve_model(model))), model)
 
 
 def image_stage(kind: EngineKind, model: str, storage: ImageStorage) -> ImageStage:

@@ -429,7 +429,11 @@ class SGLangEngine:
             self._engine.tokenizer_manager.abort_request(rid=request_id)
 
     async def encode(self, inputs: list[list[int]]) -> list[list[float]]:
-        result = await self._engine.async_encode(prompt=[{"input_ids": ids} for ids in inputs])
+        """Vectors of token-id lists (an `is_embedding` engine). `Engine.async_encode` takes only text, so the
+        request goes to SGLang's tokenizer manager as token ids."""
+        from sglang.srt.managers.io_struct import EmbeddingReqInput
+
+        result = await self._engine.tokenizer_manager.generate_request(EmbeddingReqInput(input_ids=inputs), None).__anext__()
         items = result if isinstance(result, list) else [result]
         return [list(item["embedding"]) for item in items]
 
@@ -514,3 +518,27 @@ def _host_ip() -> str:
             return str(probe.getsockname()[0])
         except OSError:
             return "127.0.0.1"
+
+
+class SGLangEmbedder:
+    """The embed stage's model on SGLang with `is_embedding` (a BERT-, Qwen- or Llama-embedding-shaped model):
+    SGLang pools and normalizes as the model's config says; the stage truncates `dimensions` itself."""
+
+    def __init__(self, model_path: str, load_format: str = "auto") -> None:
+        base = SGLangEngineConfig(model_path=model_path, load_format=load_format)
+        self._engine = SGLangEngine(base.model_copy(update={
+            "extra_server_args": {**base.extra_server_args, "is_embedding": True}}))
+        self.dimensions = int(json.loads((Path(model_path) / "config.json").read_text())["hidden_size"])
+        self.max_tokens = 0  # read from the engine once it has started
+
+    async def start(self) -> None:
+        await self._engine.start()
+        self.max_tokens = self._engine.info.context_length
+
+    async def stop(self) -> None:
+        await self._engine.shutdown()
+
+    async def embed(self, inputs: list[list[int]]) -> Any:
+        import torch
+
+        return torch.tensor(await self._engine.encode(inputs), dtype=torch.float32)
