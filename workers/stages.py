@@ -111,12 +111,16 @@ def served_model(kind: EngineKind, model: str) -> ServedModel:
         return ServedModel(model, tokenizer, MOCK_CONTEXT_LENGTH, (tokenizer.eos_token_id,),
                            vocab_size=MockEngineConfig().vocab_size)
     from workers.engines.torch_engine.embedding import is_embedding_model
-    from workers.engines.torch_engine.loader import ModelConfig, resolve_model
+    from workers.engines.torch_engine.loader import ModelConfig, eos_token_ids, resolve_model
 
     model_dir = resolve_model(model)
+    raw = json.loads((model_dir / "config.json").read_text())
     if is_embedding_model(model_dir):
-        raw = json.loads((model_dir / "config.json").read_text())
         return ServedModel(model, tokenizer, raw["max_position_embeddings"], (), vocab_size=raw.get("vocab_size"))
+    if kind != EngineKind.TORCH:
+        # SGLang runs architectures the torch engine does not: only what the processor needs is read.
+        return ServedModel(model, tokenizer, raw.get("max_position_embeddings", 4096), eos_token_ids(model_dir, raw),
+                           vocab_size=raw.get("vocab_size"))
     config = ModelConfig.from_dir(model_dir)
     # Torch-engine models take images (the seeded vision tower; see torch_engine/vision.py).
     return ServedModel(model, tokenizer, config.max_position_embeddings, config.eos_token_ids,

@@ -54,7 +54,7 @@ class ModelConfig:
             raise ValueError(f"{model_dir}: architecture {architecture} is not supported by the torch engine")
         rope = raw.get("rope_parameters") or {}
         num_heads = raw["num_attention_heads"]
-        eos = _eos_ids(model_dir, raw)
+        eos = eos_token_ids(model_dir, raw)
         return cls(
             architecture=architecture,
             vocab_size=raw["vocab_size"],
@@ -73,7 +73,8 @@ class ModelConfig:
         )
 
 
-def _eos_ids(model_dir: Path, raw: dict[str, object]) -> tuple[int, ...]:
+def eos_token_ids(model_dir: Path, raw: dict[str, object]) -> tuple[int, ...]:
+    """The EOS ids of a model directory: its generation config's, else its config's (`raw`)."""
     generation = model_dir / "generation_config.json"
     value = json.loads(generation.read_text()).get("eos_token_id") if generation.exists() else None
     value = value if value is not None else raw.get("eos_token_id")

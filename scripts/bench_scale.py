@@ -1,0 +1,145 @@
+"""Scale-out of the bus: the mock engine with 1, 2, 4, 8 decode replicas (and half as many processors), each
+replica given the same number of streams, all load published straight to NATS by client processes.
+
+For each replica count it prints output tokens/s in all and per replica, the scale-out efficiency (tok/s at N ÷
+N × tok/s at 1), TTFT p50 / p99 and the nats-server's CPU (one core = 100%). Then, at the largest count, the same
+load read by a single client process, so the rate one process can take in is measured apart from the bus.
+
+    .venv/bin/python scripts/bench_scale.py                       # 1 2 4 8 replicas, 64 streams each
+    .venv/bin/python scripts/bench_scale.py --replicas 1 2 --streams-per-replica 16 --output-len 64
+
+Each worker and client is its own process, as deployed; one nats-server per replica count, on a fresh store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench_vs_sglang as vs  # noqa: E402  — its NATS client processes and process handling
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and its children so far (Linux /proc): `conveyor server` is a
+    Python parent of the nats-server binary."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    children = [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+                for child in (task / "children").read_text().split()]
+    return own + sum(cpu_seconds(child) for child in children)
+
+
+def start_stack(args: argparse.Namespace, replicas: int, logs: Path) -> vs.Servers:
+    servers = vs.Servers(args, logs)
+    servers.nats_url = f"nats://127.0.0.1:{args.nats_port}"
+    store = logs / "nats-store"
+    store.mkdir(parents=True, exist_ok=True)
+    servers.spawn("nats", [sys.executable, "-m", "workers.cli", "server", "--port", str(args.nats_port),
+                           "--store-dir", str(store)])
+    env = {"CONVEYOR_NATS_URLS": servers.nats_url, "CONVEYOR_NAMESPACE": servers.namespace,
+           "CONVEYOR_MOCK_INTER_TOKEN_S": str(args.inter_token_ms / 1000)}
+    worker = [sys.executable, "-m", "workers.cli", "worker", "--engine", "mock", "--model", "mock", "--log-level",
+              "WARNING", "--max-concurrency", str(args.streams_per_replica * 2)]
+    for index in range(max(1, replicas // 2)):
+        servers.spawn(f"processor-{index}", worker[:4] + ["processor"] + worker[4:], env)
+    for index in range(replicas):
+        servers.spawn(f"decode-{index}", worker[:4] + ["decode"] + worker[4:], env)
+    vs.asyncio.run(wait_ready(servers, replicas + max(1, replicas // 2), args.start_timeout_s))
+    return servers
+
+
+async def wait_ready(servers: vs.Servers, num_workers: int, timeout_s: float) -> None:
+    from bus.client import open_client
+    from bus.settings import BusSettings, NatsSettings
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            async with open_client(NatsSettings(urls=[servers.nats_url]), BusSettings(namespace=servers.namespace),
+                                   "bench-scale") as client:
+                while time.monotonic() < deadline:
+                    if len([card for card in await client.live_workers() if card.ready]) >= num_workers:
+                        return
+                    await vs.asyncio.sleep(0.5)
+        except Exception:  # the server is still starting
+            await vs.asyncio.sleep(0.5)
+    raise TimeoutError(f"{num_workers} workers not ready within {timeout_s:.0f} s")
+
+
+def measure(args: argparse.Namespace, servers: vs.Servers, concurrency: int, clients: int) -> dict[str, Any]:
+    args.nats_clients = clients
+    nats_pid = servers.pid("nats")
+    cpu_before, wall_before = cpu_seconds(nats_pid), time.monotonic()
+    row = vs.bench_nats(args, servers.nats_url, servers.namespace, concurrency, seed=concurrency)
+    row["nats_cpu_percent"] = 100 * (cpu_seconds(nats_pid) - cpu_before) / (time.monotonic() - wall_before)
+    return row
+
+
+def run(args: argparse.Namespace) -> None:
+    rows: dict[int, list[dict[str, Any]]] = {}
+    single: list[dict[str, Any]] = []
+    for round_index in range(args.rounds):
+        for replicas in args.replicas:
+            logs = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-scale-{uuid.uuid4().hex[:6]}"
+            logs.mkdir(parents=True)
+            servers = start_stack(args, replicas, logs)
+            try:
+                concurrency = args.streams_per_replica * replicas
+                row = measure(args, servers, concurrency, clients=max(2, replicas))
+                rows.setdefault(replicas, []).append(row)
+                vs.say(f"round {round_index + 1}, {replicas} replicas, {concurrency} streams: "
+                       f"{row['output_throughput']:.0f} tok/s, nats-server {row['nats_cpu_percent']:.0f}% CPU")
+                if replicas == max(args.replicas):
+                    single.append(measure(args, servers, concurrency, clients=1))
+            finally:
+                servers.stop()
+    base = statistics.median(r["output_throughput"] for r in rows[min(args.replicas)]) / min(args.replicas)
+    print(f"\nmock engine ({args.inter_token_ms:g} ms per token), {args.streams_per_replica} streams per replica, "
+          f"prompts {int(args.input_len * args.range_ratio)}–{args.input_len}, outputs "
+          f"{int(args.output_len * args.range_ratio)}–{args.output_len} tokens, {os.cpu_count()} cores, "
+          f"medians of {args.rounds} rounds")
+    print(f"{'replicas':>8} {'tok/s':>9} {'per replica':>12} {'efficiency':>11} {'TTFT p50':>9} {'TTFT p99':>9} "
+          f"{'nats CPU':>9}")
+    for replicas in args.replicas:
+        row = vs.median_row(rows[replicas])
+        tokens = row["output_throughput"]
+        print(f"{replicas:>8} {tokens:>9.0f} {tokens / replicas:>12.0f} {tokens / (replicas * base):>10.2f}× "
+              f"{row['median_ttft_ms']:>7.1f}ms {row['p99_ttft_ms']:>7.1f}ms {row['nats_cpu_percent']:>8.0f}%")
+    one = vs.median_row(single)
+    many = vs.median_row(rows[max(args.replicas)])
+    print(f"one client process reading all {args.streams_per_replica * max(args.replicas)} streams: "
+          f"{one['output_throughput']:.0f} tok/s ({one['output_throughput'] / many['output_throughput']:.2f}× of "
+          f"{max(2, max(args.replicas))} client processes), TTFT p99 {one['p99_ttft_ms']:.1f} ms")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--streams-per-replica", type=int, default=64)
+    parser.add_argument("--inter-token-ms", type=float, default=10.0, help="The mock engine's time per token.")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--input-len", type=int, default=512, help="Longest prompt, in tokens.")
+    parser.add_argument("--output-len", type=int, default=256, help="Most new tokens per request.")
+    parser.add_argument("--range-ratio", type=float, default=0.5)
+    parser.add_argument("--prompts-per-stream", type=int, default=2, help="Requests per run = streams × this.")
+    parser.add_argument("--nats-port", type=int, default=4333)
+    parser.add_argument("--start-timeout-s", type=float, default=120)
+    parser.add_argument("--run-timeout-s", type=float, default=600)
+    args = parser.parse_args()
+    # What the shared client code reads.
+    args.model, args.min_prompts = "mock", 1
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
