@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 import uuid
@@ -103,7 +102,7 @@ def run(args: argparse.Namespace) -> None:
                     single.append(measure(args, servers, concurrency, clients=1))
             finally:
                 servers.stop()
-    base = statistics.median(r["output_throughput"] for r in rows[min(args.replicas)]) / min(args.replicas)
+    base = vs.median_row(rows[min(args.replicas)])["output_throughput"] / min(args.replicas)
     print(f"\nmock engine ({args.inter_token_ms:g} ms per token), {args.streams_per_replica} streams per replica, "
           f"prompts {int(args.input_len * args.range_ratio)}–{args.input_len}, outputs "
           f"{int(args.output_len * args.range_ratio)}–{args.output_len} tokens, {os.cpu_count()} cores, "

@@ -18,6 +18,7 @@ from workers.engines.sglang_engine import (
     KvEventRelay,
     SGLangEngine,
     SGLangEngineConfig,
+    cached_tokens_of,
     decode_event_frames,
     finish_of,
     logprobs_of,
@@ -175,3 +176,11 @@ async def test_relay_receives_zmq_batches_and_counts_gaps() -> None:
     finally:
         await relay.stop()
         publisher.close(linger=0)
+
+
+def test_cached_token_counts_outside_the_prompt_are_clamped() -> None:
+    # SGLang's dLLM mode reported -256 cached tokens on the H100; a count above the prompt is not possible either.
+    assert cached_tokens_of({"cached_tokens": -256}, prompt_tokens=12) == 0
+    assert cached_tokens_of({"cached_tokens": 40}, prompt_tokens=12) == 12
+    assert cached_tokens_of({"cached_tokens": 8}, prompt_tokens=12) == 8
+    assert cached_tokens_of({}, prompt_tokens=12) == 0

@@ -124,6 +124,12 @@ def server_args(config: SGLangEngineConfig, kv_events_port: int, bootstrap_port:
     return args
 
 
+def cached_tokens_of(meta: dict[str, Any], prompt_tokens: int) -> int:
+    """Prompt tokens SGLang served from its cache, within [0, prompt]: with `dllm_algorithm` it reports
+    negative counts (-256 for a 64-token answer on the H100), which are not cache hits."""
+    return min(max(int(meta.get("cached_tokens", 0)), 0), prompt_tokens)
+
+
 def sampling_params(request: GenerateRequest) -> dict[str, Any]:
     """SGLang's `sampling_params` for a request; unset options keep SGLang's defaults."""
     sampling, stop = request.sampling, request.stop
@@ -407,13 +413,14 @@ class SGLangEngine:
                 if not token_ids and reason is None:
                     continue  # an idle tick
                 finished = reason is not None
+                prompt_tokens = int(meta.get("prompt_tokens", len(request.token_ids)))
                 yield GenerateOutput(
                     token_ids=token_ids,
                     text=item.get("text") or "",
                     finish_reason=reason,
-                    prompt_tokens=int(meta.get("prompt_tokens", len(request.token_ids))),
+                    prompt_tokens=prompt_tokens,
                     completion_tokens=int(meta.get("completion_tokens", 0)),
-                    cached_tokens=int(meta.get("cached_tokens", 0)),
+                    cached_tokens=cached_tokens_of(meta, prompt_tokens),
                     logprobs=logprobs_of(meta, len(token_ids)),
                     matched_stop=matched,
                     error=error,
