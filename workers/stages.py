@@ -86,7 +86,10 @@ def image_stage(kind: EngineKind, model: str, storage: ImageStorage) -> ImageSta
         raise ValueError(f"image workers run diffusers on torch here (got --engine {kind.value}); use --engine torch")
     from workers.engines.torch_engine.image_diffusion import ImageGenerator, resolve_image_model
 
-    return ImageStage(ImageGenerator(resolve_image_model(model)), model, storage)
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return ImageStage(ImageGenerator(resolve_image_model(model), device), model, storage)
 
 
 def default_image_storage() -> ImageStorage:
