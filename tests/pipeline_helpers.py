@@ -174,3 +174,18 @@ async def wait_for_workers(client: PipelineClient, num_workers: int, timeout_s: 
             pass
         await asyncio.sleep(0.2)
     raise AssertionError(f"pipeline not ready within {timeout_s} s")
+
+
+async def run_cli_when_served(url: str, namespace: str, *arguments: str,
+                              attempts: int = 120) -> subprocess.CompletedProcess[bytes]:
+    """`conveyor ARGUMENTS` against the bus at `url`, run again while it exits 2 (nothing serves the model yet:
+    the workers are still starting)."""
+    environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CONVEYOR_NATS_URLS": url, "CONVEYOR_NAMESPACE": namespace}
+    command = [sys.executable, "-m", "workers.cli", *arguments]
+    for _ in range(attempts):
+        done = await asyncio.to_thread(subprocess.run, command, cwd=REPO_ROOT, env=environment, capture_output=True,
+                                       timeout=120)
+        if done.returncode != 2:
+            return done
+        await asyncio.sleep(1)
+    return done

@@ -5,9 +5,6 @@ chunks, stop conditions, cancel between denoising steps, and `conveyor ask` agai
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -17,7 +14,7 @@ from schemas.registry import Stage
 from schemas.replies import FinalFrame, FinishReason
 from schemas.sampling import SamplingOptions, StopConditions
 from tests.conftest import Bus
-from tests.pipeline_helpers import REPO_ROOT, chat, client_of, running_workers, worker_processes
+from tests.pipeline_helpers import chat, client_of, run_cli_when_served, running_workers, worker_processes
 from workers.decode import DecodeStage, MigrationPolicy
 from workers.engines.factory import EngineKind, create_engine
 from workers.engines.protocol import GenerateOutput, GenerateRequest
@@ -119,15 +116,7 @@ async def test_conveyor_ask_answers_from_a_diffusion_lm_in_worker_processes(bus:
     url = bus.nats_settings.urls[0]
     async with worker_processes([url], bus.settings.namespace, ["processor", "decode"], engine="torch",
                                 CONVEYOR_MODEL=SEEDED_DLLM):
-        environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CONVEYOR_NATS_URLS": url,
-                       "CONVEYOR_NAMESPACE": bus.settings.namespace}
-        command = [sys.executable, "-m", "workers.cli", "ask", "Say something.", "--model", SEEDED_DLLM,
-                   "--max-tokens", "40"]
-        for _ in range(120):  # until the workers are up (a refusal exits 2 while nothing serves the model)
-            done = await asyncio.to_thread(subprocess.run, command, cwd=REPO_ROOT, env=environment,
-                                           capture_output=True, timeout=120)
-            if done.returncode != 2:
-                break
-            await asyncio.sleep(1)
+        done = await run_cli_when_served(url, bus.settings.namespace, "ask", "Say something.", "--model", SEEDED_DLLM,
+                                         "--max-tokens", "40")
     assert done.returncode == 0, done.stderr.decode()
     assert done.stdout.decode().strip()  # the streamed answer: words from the model's vocabulary

@@ -4,13 +4,9 @@ inputs answered by typed errors from a worker that keeps serving."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
-import os
 import struct
-import subprocess
-import sys
 import uuid
 
 import openai
@@ -22,7 +18,7 @@ from schemas.client import EmbeddingRequest
 from schemas.registry import ServingMode, Stage
 from schemas.replies import EmbeddingResult, ErrorCode
 from tests.conftest import Bus
-from tests.pipeline_helpers import REPO_ROOT, client_of, running_workers, worker_processes
+from tests.pipeline_helpers import client_of, run_cli_when_served, running_workers, worker_processes
 from workers.engines.factory import EngineKind
 from workers.engines.torch_engine.embedding import EMBEDDING_MODEL, SentenceEmbedder, bundled_minilm
 from workers.gateway import GatewayOptions, serving
@@ -134,15 +130,7 @@ async def test_conveyor_embed_prints_vectors_from_worker_processes(bus: Bus) -> 
     url = bus.nats_settings.urls[0]
     async with worker_processes([url], bus.settings.namespace, ["processor", "embed"], engine="torch",
                                 CONVEYOR_MODEL=EMBEDDING_MODEL):
-        environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CONVEYOR_NATS_URLS": url,
-                       "CONVEYOR_NAMESPACE": bus.settings.namespace}
-        command = [sys.executable, "-m", "workers.cli", "embed", "a cat", "a dog", "--dimensions", "64"]
-        for _ in range(120):  # until the workers are up (a refusal exits 2 while nothing serves the model)
-            done = await asyncio.to_thread(subprocess.run, command, cwd=REPO_ROOT, env=environment,
-                                           capture_output=True, timeout=120)
-            if done.returncode != 2:
-                break
-            await asyncio.sleep(1)
+        done = await run_cli_when_served(url, bus.settings.namespace, "embed", "a cat", "a dog", "--dimensions", "64")
     assert done.returncode == 0, done.stderr.decode()
     lines = [json.loads(line) for line in done.stdout.decode().splitlines()]
     assert [line["index"] for line in lines] == [0, 1] and all(line["dimensions"] == 64 for line in lines)

@@ -8,9 +8,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import os
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -25,7 +22,7 @@ from schemas.registry import ServingMode, Stage
 from schemas.replies import ErrorCode, FinalFrame, FinishReason, ImageData, ImageProgress, ImageResult
 from tests.conftest import Bus
 from tests.helpers import open_stream
-from tests.pipeline_helpers import REPO_ROOT, client_of, running_workers, worker_processes
+from tests.pipeline_helpers import client_of, run_cli_when_served, running_workers, worker_processes
 from workers.engines.factory import EngineKind
 from workers.engines.torch_engine.image_diffusion import SEEDED_IMAGE_MODEL
 from workers.gateway import GatewayOptions, serving
@@ -169,19 +166,11 @@ async def test_images_through_the_gateway_with_the_openai_sdk(bus: Bus, tmp_path
 
 
 async def test_conveyor_image_writes_a_png_through_worker_processes(bus: Bus, tmp_path: Path) -> None:
-    urls = [f"nats://127.0.0.1:{bus.nats_settings.urls[0].rsplit(':', 1)[1]}"]
-    async with worker_processes(urls, bus.settings.namespace, ["processor", "image"], engine="torch"):
-        environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CONVEYOR_NATS_URLS": urls[0],
-                       "CONVEYOR_NAMESPACE": bus.settings.namespace}
-        out = tmp_path / "fox.png"
-        command = [sys.executable, "-m", "workers.cli", "image", "a fox", "--out", str(out), "-n", "2", "--size",
-                   "64x64", "--steps", "3", "--seed", "9"]
-        for _ in range(120):  # until the workers are up (a refusal exits 2 while nothing serves the model)
-            done = await asyncio.to_thread(subprocess.run, command, cwd=REPO_ROOT, env=environment,
-                                           capture_output=True, timeout=120)
-            if done.returncode != 2:
-                break
-            await asyncio.sleep(1)
+    url = bus.nats_settings.urls[0]
+    out = tmp_path / "fox.png"
+    async with worker_processes([url], bus.settings.namespace, ["processor", "image"], engine="torch"):
+        done = await run_cli_when_served(url, bus.settings.namespace, "image", "a fox", "--out", str(out), "-n", "2",
+                                         "--size", "64x64", "--steps", "3", "--seed", "9")
     assert done.returncode == 0, done.stderr.decode()
     written = [tmp_path / "fox-0.png", tmp_path / "fox-1.png"]
     assert done.stdout.decode().split() == [str(path) for path in written]

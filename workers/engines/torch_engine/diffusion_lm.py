@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from filelock import FileLock
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -49,7 +48,7 @@ from workers.engines.protocol import (
     MemoryTag,
     UnsupportedOption,
 )
-from workers.engines.torch_engine.loader import ModelConfig, bundled_smollm2, load_state_dict, model_cache_dir
+from workers.engines.torch_engine.loader import ModelConfig, built_once, bundled_smollm2, load_state_dict
 from workers.engines.torch_engine.model import CausalLM, StepInputs
 
 SEEDED_DLLM = "tiny-llada-seeded"
@@ -78,17 +77,7 @@ def is_diffusion_model(model_dir: Path) -> bool:
 
 def seeded_dllm_dir() -> Path:
     """`tiny-llada-seeded`: a 2-layer LLaDA-shaped model with seeded weights and SmolLM2's tokenizer."""
-    target = model_cache_dir() / SEEDED_DLLM
-    if (target / "model.safetensors").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(target.parent / f".{SEEDED_DLLM}.lock")):
-        if not (target / "model.safetensors").exists():
-            staging = target.with_name(f".{SEEDED_DLLM}.staging")
-            shutil.rmtree(staging, ignore_errors=True)
-            _write_seeded_dllm(staging)
-            staging.rename(target)
-    return target
+    return built_once(SEEDED_DLLM, "model.safetensors", _write_seeded_dllm)
 
 
 def _write_seeded_dllm(directory: Path) -> None:

@@ -20,9 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from filelock import FileLock
 
-from workers.engines.torch_engine.loader import model_cache_dir
+from workers.engines.torch_engine.loader import built_once
 
 SEEDED_IMAGE_MODEL = "tiny-sd-seeded"
 _SEED = 20_240_601
@@ -64,20 +63,14 @@ def is_image_model(model: str) -> bool:
 
 
 def seeded_pipeline_dir() -> Path:
-    target = model_cache_dir() / SEEDED_IMAGE_MODEL
-    if (target / "model_index.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # One process builds it; others starting at the same moment wait, then load what it saved.
-    with FileLock(str(target.parent / f".{SEEDED_IMAGE_MODEL}.lock")):
-        if not (target / "model_index.json").exists():
-            staging = target.with_name(f".{SEEDED_IMAGE_MODEL}.staging")
-            from diffusers.utils import logging as diffusers_logging
+    return built_once(SEEDED_IMAGE_MODEL, "model_index.json", _save_seeded_pipeline)
 
-            diffusers_logging.disable_progress_bar()
-            _build_seeded_pipeline().save_pretrained(staging)
-            staging.rename(target)
-    return target
+
+def _save_seeded_pipeline(directory: Path) -> None:
+    from diffusers.utils import logging as diffusers_logging
+
+    diffusers_logging.disable_progress_bar()
+    _build_seeded_pipeline().save_pretrained(directory)
 
 
 def _build_seeded_pipeline():  # type: ignore[no-untyped-def]

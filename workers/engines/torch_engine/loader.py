@@ -87,6 +87,22 @@ def model_cache_dir() -> Path:
     return Path(os.environ.get("CONVEYOR_MODEL_CACHE", Path.home() / ".cache" / "conveyor" / "models"))
 
 
+def built_once(name: str, marker: str, build: Callable[[Path], None]) -> Path:
+    """`model_cache_dir()/name`, made by `build(staging_dir)` the first time (its `marker` file says it is whole).
+    One process builds; others starting at the same moment wait on a lock, then use what it made."""
+    target = model_cache_dir() / name
+    if (target / marker).exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target.parent / f".{name}.lock")):
+        if not (target / marker).exists():
+            staging = target.with_name(f".{name}.staging")
+            shutil.rmtree(staging, ignore_errors=True)
+            build(staging)
+            staging.rename(target)
+    return target
+
+
 def resolve_model(model: str | None) -> Path:
     """A local Hugging Face-format directory for `model` (a path, or the default model's name)."""
     if model is None or model == DEFAULT_MODEL:
