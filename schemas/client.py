@@ -101,6 +101,10 @@ class GenerationRequest(WireModel):
     logprobs: bool = False
     top_logprobs: TopLogprobs = 0
     response_format: ResponseFormat | None = None
+    # Guided decoding beyond response_format (vLLM's and SGLang's extensions): at most one of the four.
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None
+    guided_grammar: str | None = None
     # Higher runs sooner where the engine supports priorities.
     priority: int | None = None
 

@@ -63,13 +63,17 @@ class OutputOptions(WireModel):
 
 
 class GuidedDecoding(WireModel):
-    """Constrain the output to a JSON schema or a regular expression (exactly one)."""
+    """Constrain the output (exactly one): to a JSON schema (`{"type": "object"}`: any JSON object), a regular
+    expression, one of a list of strings, or an EBNF grammar (GBNF / xgrammar syntax, `root` rule first)."""
 
     json_schema: dict[str, Any] | None = None
     regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None
+    grammar: str | None = None
 
     @model_validator(mode="after")
     def _exactly_one(self) -> GuidedDecoding:
-        if (self.json_schema is None) == (self.regex is None):
-            raise ValueError("guided decoding needs exactly one of json_schema or regex")
+        given = [value for value in (self.json_schema, self.regex, self.choice, self.grammar) if value is not None]
+        if len(given) != 1:
+            raise ValueError("guided decoding needs exactly one of json_schema, regex, choice or grammar")
         return self

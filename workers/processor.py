@@ -417,7 +417,7 @@ def preprocess(request: GenerationRequest, token_ids: list[int], model: ServedMo
             stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
         ),
         output=OutputOptions(logprobs=request.logprobs, top_logprobs=request.top_logprobs),
-        guided=_guided(request.response_format),
+        guided=_guided(request),
         eos_token_ids=list(model.eos_token_ids),
         priority=request.priority,
     )
@@ -432,7 +432,20 @@ def _embedding_inputs(raw: str | list[str] | list[int] | list[list[int]], model:
     return [list(model.tokenizer.encode(item)) if isinstance(item, str) else list(item) for item in raw]  # type: ignore[arg-type]
 
 
-def _guided(response_format: ResponseFormat | None) -> GuidedDecoding | None:
+def _guided(request: GenerationRequest) -> GuidedDecoding | None:
+    """The request's one output constraint; two at once (e.g. a JSON schema and a regex) is invalid."""
+    constraints = [GuidedDecoding(regex=request.guided_regex) if request.guided_regex is not None else None,
+                   GuidedDecoding(choice=request.guided_choice) if request.guided_choice is not None else None,
+                   GuidedDecoding(grammar=request.guided_grammar) if request.guided_grammar is not None else None,
+                   _json_constraint(request.response_format)]
+    given = [constraint for constraint in constraints if constraint is not None]
+    if len(given) > 1:
+        raise RejectRequest(ErrorCode.INVALID_REQUEST, "give at most one of response_format (json), guided_regex, "
+                            "guided_choice and guided_grammar")
+    return given[0] if given else None
+
+
+def _json_constraint(response_format: ResponseFormat | None) -> GuidedDecoding | None:
     if response_format is None or response_format.type == "text":
         return None
     if response_format.type == "json_schema" and response_format.json_schema:

@@ -23,6 +23,13 @@ from schemas.sampling import GuidedDecoding, OutputOptions, SamplingOptions, Sto
 from schemas.tasks import BootstrapInfo
 
 
+def choice_regex(choices: list[str]) -> str:
+    """A regular expression matching exactly one of `choices` (guided `choice`, as the engines compile it)."""
+    special = set("\\.^$|?*+()[]{}")
+    return "|".join("(" + "".join(f"\\{char}" if char in special else char for char in choice) + ")"
+                    for choice in choices)
+
+
 class UnsupportedOption(ValueError):
     """A valid request option this engine cannot honour; the client gets an `unsupported` error."""
 

@@ -49,6 +49,7 @@ from workers.engines.protocol import (
     KvEventBatchOut,
     MemoryTag,
     UnsupportedOption,
+    choice_regex,
 )
 
 log = structlog.get_logger(__name__)
@@ -150,11 +151,14 @@ def sampling_params(request: GenerateRequest) -> dict[str, Any]:
         "ignore_eos": stop.ignore_eos or None,
         "skip_special_tokens": request.output.skip_special_tokens,
     }
-    if request.guided is not None:
-        if request.guided.json_schema is not None:
-            params["json_schema"] = json.dumps(request.guided.json_schema)
+    guided = request.guided
+    if guided is not None:
+        if guided.json_schema is not None:
+            params["json_schema"] = json.dumps(guided.json_schema)
+        elif guided.grammar is not None:
+            params["ebnf"] = guided.grammar
         else:
-            params["regex"] = request.guided.regex
+            params["regex"] = guided.regex if guided.regex is not None else choice_regex(guided.choice or [])
     return {key: value for key, value in params.items() if value is not None}
 
 

@@ -26,6 +26,7 @@ import torch
 from schemas.registry import BootstrapEndpoint
 from schemas.replies import FinishReason
 from workers.engines.detokenizer import IncrementalDetokenizer
+from workers.engines.torch_engine.grammar import GrammarCompiler, GrammarMatcher
 from workers.engines.events import KvEventFanout
 from workers.engines.protocol import (
     DisaggregationRole,
@@ -127,6 +128,9 @@ class TorchEngine:
         self._handoffs: dict[int, tuple[Sequence, float]] = {}
         # Decode role: requests still waiting for their prefill's offer, so an abort can stop the wait.
         self._receiving: dict[str, asyncio.Future[RoomOffer]] = {}
+        # Guided decoding: compiled grammars of this model's tokenizer, made on the first guided request.
+        self._grammars: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
 
     # ----- lifecycle -----------------------------------------------------------------------------
 
@@ -204,6 +208,9 @@ class TorchEngine:
         self._check_supported(request)
         stream = _Stream(asyncio.get_running_loop())
         seq = self._new_sequence(request)
+        if request.guided is not None:
+            # Compiling a schema takes milliseconds to seconds: not on the event loop.
+            seq.grammar = await asyncio.to_thread(self._grammar_for, request)
         if self.config.role == DisaggregationRole.DECODE and request.bootstrap is not None:
             await self._receive_prompt_kv(seq, stream, request.bootstrap)
         else:
@@ -277,8 +284,6 @@ class TorchEngine:
     def _check_supported(self, request: GenerateRequest) -> None:
         if request.sampling.n != 1:
             raise UnsupportedOption("the torch engine generates one completion per request (n=1)")
-        if request.guided is not None:
-            raise UnsupportedOption("the torch engine has no guided decoding; use the sglang engine")
         if len(request.token_ids) >= self.info.context_length:
             raise UnsupportedOption(
                 f"prompt of {len(request.token_ids)} tokens leaves no room in the context of {self.info.context_length}"
@@ -316,6 +321,17 @@ class TorchEngine:
             if request.image_rows is not None else [],
             image_rows=request.image_rows,
         )
+
+    def _grammar_for(self, request: GenerateRequest) -> GrammarMatcher:
+        assert request.guided is not None and self.model_config is not None
+        with self._grammar_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+            matcher = self._grammars.matcher(request.guided)
+        # A migrated request goes on from the tokens another engine generated under the same grammar.
+        for token_id in request.resumed.token_ids if request.resumed is not None else []:
+            matcher.accept(token_id)
+        return matcher
 
     def _detokenizer(self, request: GenerateRequest) -> IncrementalDetokenizer:
         stop, skip_special = request.stop.stop, request.output.skip_special_tokens
@@ -469,6 +485,8 @@ class TorchEngine:
         completion = seq.num_completion_tokens
         if seq.detokenizer.matched_stop is not None:
             return FinishReason.STOP, seq.detokenizer.matched_stop
+        if seq.grammar is not None and seq.grammar.finished:
+            return FinishReason.STOP, None  # the constrained answer is complete (its stop token accepted)
         if completion >= seq.stop.min_tokens:
             if token in seq.stop.stop_token_ids:
                 return FinishReason.STOP, token

@@ -1,6 +1,7 @@
 """Turn a step's logits into next tokens, honouring each sequence's sampling options.
 
-Order of operations (as in vLLM and SGLang): penalties on the raw logits, then temperature, then
+Order of operations (as in vLLM and SGLang): penalties on the raw logits, the grammar's mask (guided decoding),
+then temperature, then
 top-k, top-p and min-p filtering, then a draw from the sequence's own generator (seeded when the
 request gave a seed). Temperature 0 is greedy. Log-probabilities are of the unmodified model
 distribution.
@@ -26,7 +27,7 @@ class Sampled:
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
     """One token per row of `logits` [B, vocab], for the sequence of the same row."""
-    if all(seq.is_greedy and not _has_penalties(seq) and not seq.output.logprobs for seq in seqs):
+    if all(seq.is_greedy and not _has_penalties(seq) and not seq.output.logprobs and seq.grammar is None for seq in seqs):
         return [Sampled(int(token), None) for token in logits.argmax(dim=-1).tolist()]
     return [_sample_row(row, seq) for row, seq in zip(logits, seqs, strict=True)]
 
@@ -43,7 +44,7 @@ def _below_min_tokens(seq: Sequence) -> bool:
 
 def _sample_row(logits: torch.Tensor, seq: Sequence) -> Sampled:
     raw_logprobs = torch.log_softmax(logits, dim=-1) if seq.output.logprobs else None
-    logits = _apply_penalties(logits.clone(), seq)
+    logits = _constrain(_apply_penalties(logits.clone(), seq), logits, seq)
     options = seq.sampling
     temperature = DEFAULT_TEMPERATURE if options.temperature is None else options.temperature
     if temperature == 0.0:
@@ -51,7 +52,18 @@ def _sample_row(logits: torch.Tensor, seq: Sequence) -> Sampled:
     else:
         probs = torch.softmax(_filter(logits / temperature, seq), dim=-1)
         token = int(torch.multinomial(probs, 1, generator=seq.generator))
+    if seq.grammar is not None:
+        seq.grammar.accept(token)
     return Sampled(token, _logprob(raw_logprobs, token, seq.output.top_logprobs) if raw_logprobs is not None else None)
+
+
+def _constrain(logits: torch.Tensor, raw: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """The grammar's mask over the penalized logits. Where it leaves nothing (the grammar wants its end, and EOS is
+    banned until min_tokens) the grammar wins: output that parses beats the length asked for."""
+    if seq.grammar is None:
+        return logits
+    masked = seq.grammar.mask(logits)
+    return masked if bool(torch.isfinite(masked).any()) else seq.grammar.mask(raw.clone())
 
 
 def _apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 
 from schemas.sampling import OutputOptions, SamplingOptions, StopConditions
 from workers.engines.detokenizer import IncrementalDetokenizer
+from workers.engines.torch_engine.grammar import GrammarMatcher
 
 
 class SeqStatus(Enum):
@@ -44,6 +45,8 @@ class Sequence:
     # Multimodal: prompt positions of image pad tokens, and their embedding rows (same order).
     image_positions: list[int] = field(default_factory=list)
     image_rows: torch.Tensor | None = None
+    # Guided decoding: the request's position in its grammar (grammar.py); None when unconstrained.
+    grammar: GrammarMatcher | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,61 @@
+"""Structured output through the gateway on the real default model (torch engine, xgrammar masks): the openai SDK's
+`chat.completions.parse` with a pydantic model, `json_object`, and the guided_regex / guided_choice / guided_grammar
+extensions; conflicting constraints refused."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Literal
+
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from schemas.registry import Stage
+from tests.conftest import Bus
+from tests.pipeline_helpers import client_of, running_workers
+from workers.decode import DecodeStage
+from workers.engines.factory import EngineKind
+from workers.engines.torch_engine.engine import TorchEngine, TorchEngineConfig
+from workers.engines.torch_engine.loader import DEFAULT_MODEL
+from workers.gateway import GatewayOptions, serving
+from workers.processor import ProcessorStage
+from workers.stages import served_model
+
+
+class City(BaseModel):
+    name: str = Field(max_length=24)
+    country: Literal["France", "Germany", "Italy", "Spain"]
+    population_millions: int = Field(ge=0, le=50)
+
+
+async def test_every_constraint_holds_through_the_gateway_with_the_openai_sdk(bus: Bus) -> None:
+    specs = [(Stage.PROCESSOR, ProcessorStage({DEFAULT_MODEL: served_model(EngineKind.TORCH, DEFAULT_MODEL)})),
+             (Stage.DECODE, DecodeStage(TorchEngine(TorchEngineConfig(max_step_tokens=128)), DEFAULT_MODEL))]
+    ask = [{"role": "user", "content": "Name a large European city, its country and its population."}]
+    async with running_workers(bus, specs, model=DEFAULT_MODEL):
+        async with serving(client_of(bus), GatewayOptions(host="127.0.0.1", port=0)) as port:
+            sdk = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+            parsed = await sdk.chat.completions.parse(model=DEFAULT_MODEL, messages=ask, response_format=City,
+                                                      temperature=0.0, max_tokens=120)
+            as_object = await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=ask, temperature=0.0,
+                                                          max_tokens=300, response_format={"type": "json_object"})
+            choice = await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=ask, max_tokens=20, temperature=1.0,
+                                                       extra_body={"guided_choice": ["Paris", "Rome", "Madrid"]})
+            date = await sdk.completions.create(model=DEFAULT_MODEL, prompt="The date today is", max_tokens=20,
+                                                extra_body={"guided_regex": r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"})
+            streamed = await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=ask, max_tokens=10, stream=True,
+                                                         extra_body={"guided_grammar": 'root ::= "yes" | "no"'})
+            pieces = [chunk.choices[0].delta.content or "" async for chunk in streamed if chunk.choices]
+            with pytest.raises(openai.BadRequestError, match="at most one"):
+                await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=ask, max_tokens=5,
+                                                  response_format={"type": "json_object"},
+                                                  extra_body={"guided_regex": "a+"})
+            await sdk.close()
+    city = parsed.choices[0].message.parsed
+    assert isinstance(city, City) and parsed.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(as_object.choices[0].message.content or ""), dict)
+    assert choice.choices[0].message.content in {"Paris", "Rome", "Madrid"}
+    assert re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", date.choices[0].text), date.choices[0].text
+    assert "".join(pieces) in {"yes", "no"}
