@@ -63,10 +63,54 @@ class VideoPart(WireModel):
 ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+
+
+class FunctionSpec(WireModel):
+    name: FunctionName
+    description: str | None = None
+    # JSON Schema of the arguments object.
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class ToolSpec(WireModel):
+    """A tool the model may call (OpenAI's `tools` entries)."""
+
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class ChosenFunction(WireModel):
+    name: FunctionName
+
+
+class NamedToolChoice(WireModel):
+    """`tool_choice` naming the one function the model must call."""
+
+    type: Literal["function"] = "function"
+    function: ChosenFunction
+
+
+class CalledFunction(WireModel):
+    name: str
+    # The arguments as a JSON text, as OpenAI sends them.
+    arguments: str
+
+
+class ToolCall(WireModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(WireModel):
     role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[ContentPart]
+    # None for an assistant turn that only called tools.
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    # An assistant turn's calls, and a tool turn's answer to one of them.
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ResponseFormat(WireModel):
@@ -112,6 +156,9 @@ class GenerationRequest(WireModel):
 class ChatRequest(GenerationRequest):
     kind: Literal["chat"] = "chat"
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: Annotated[list[ToolSpec], Field(max_length=128)] | None = None
+    # None: "auto" when tools are given. "required" or a named function: the answer is constrained to a call.
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
 
 class CompletionRequest(GenerationRequest):

@@ -59,3 +59,51 @@ async def test_every_constraint_holds_through_the_gateway_with_the_openai_sdk(bu
     assert choice.choices[0].message.content in {"Paris", "Rome", "Madrid"}
     assert re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", date.choices[0].text), date.choices[0].text
     assert "".join(pieces) in {"yes", "no"}
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["CET", "UTC"]}}, "required": ["zone"]}}}
+
+
+async def test_tool_calls_and_reasoning_come_back_in_openai_fields(bus: Bus) -> None:
+    specs = [(Stage.PROCESSOR, ProcessorStage({DEFAULT_MODEL: served_model(EngineKind.TORCH, DEFAULT_MODEL)})),
+             (Stage.DECODE, DecodeStage(TorchEngine(TorchEngineConfig(max_step_tokens=128)), DEFAULT_MODEL))]
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    async with running_workers(bus, specs, model=DEFAULT_MODEL):
+        async with serving(client_of(bus), GatewayOptions(host="127.0.0.1", port=0, reasoning_parser=True)) as port:
+            sdk = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+            named = await sdk.chat.completions.create(
+                model=DEFAULT_MODEL, messages=ask, tools=[WEATHER_TOOL, TIME_TOOL], max_tokens=80, temperature=0.0,
+                tool_choice={"type": "function", "function": {"name": "get_weather"}})
+            call = named.choices[0].message.tool_calls[0]
+            follow_up = ask + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                               {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18}'}]
+            answered = await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=follow_up, max_tokens=20,
+                                                         tools=[WEATHER_TOOL], temperature=0.0)
+            streamed = await sdk.chat.completions.create(
+                model=DEFAULT_MODEL, messages=ask, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required",
+                max_tokens=80, temperature=0.0, stream=True)
+            chunks = [chunk async for chunk in streamed]
+            thought = await sdk.chat.completions.create(
+                model=DEFAULT_MODEL, messages=ask, max_tokens=40, temperature=0.0,
+                extra_body={"guided_regex": "<think>[a-z ]{5,30}</think>\\n[A-Z][a-z ]{5,30}"})
+            with pytest.raises(openai.BadRequestError, match="not among"):
+                await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=ask, tools=[WEATHER_TOOL],
+                                                  tool_choice={"type": "function", "function": {"name": "nope"}})
+            await sdk.close()
+    assert named.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    assert set(arguments) == {"city", "unit"} and arguments["unit"] in {"celsius", "fahrenheit"}
+    assert answered.choices[0].message.content  # the tool's answer went into the template; the model replies
+    deltas = [call for chunk in chunks if chunk.choices for call in chunk.choices[0].delta.tool_calls or []]
+    assert len(deltas) == 1 and deltas[0].function.name in {"get_weather", "get_time"}
+    assert json.loads(deltas[0].function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    message = thought.choices[0].message
+    reasoning = message.model_extra.get("reasoning_content") if message.model_extra else None
+    assert reasoning and "<think>" not in (message.content or "") and message.content

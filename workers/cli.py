@@ -527,6 +527,9 @@ def gateway(
     port: Annotated[int, typer.Option(help="HTTP port of the OpenAI-compatible API.")] = 8000,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "0.0.0.0",
     first_token_timeout_s: Annotated[float, typer.Option(help="Answer 504 when no token comes within this.")] = 120.0,
+    reasoning_parser: Annotated[bool, typer.Option("--reasoning-parser", help=(
+        "Reasoning models (DeepSeek-R1, Qwen3, QwQ): an answer opening with <think> has that part returned as "
+        "reasoning_content."))] = False,
     nats: NatsOption = None,
     namespace: NamespaceOption = None,
     log_level: LogLevelOption = "INFO",
@@ -546,7 +549,7 @@ def gateway(
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
         async with open_client(nats_settings, bus_settings, "conveyor-gateway") as client:
-            async with serving(client, GatewayOptions(host, port, first_token_timeout_s)) as bound:
+            async with serving(client, GatewayOptions(host, port, first_token_timeout_s, reasoning_parser=reasoning_parser)) as bound:
                 typer.echo(f"[conveyor] OpenAI API on http://{host}:{bound}/v1", err=True)
                 await stop.wait()
 

@@ -4,7 +4,9 @@ Serves `/v1/chat/completions`, `/v1/completions` (streaming over SSE, with
 `stream_options.include_usage`, or whole responses), `/v1/embeddings`, `/v1/images/generations`
 (`b64_json` or `url`), `/v1/models` (the models the registry shows
 ready) and `/health`. Each HTTP request becomes one `ChatRequest` / `CompletionRequest` published to
-`{ns}.work.processor` with its own reply inbox; the reply frames are turned back into OpenAI JSON.
+`{ns}.work.processor` with its own reply inbox; the reply frames are turned back into OpenAI JSON. Chat answers to
+requests with tools, and with `reasoning_parser` any chat answer, are read here for `tool_calls` and
+`reasoning_content` (workers/output_parsing.py).
 
 Fails how: pipeline error frames map onto the status codes OpenAI clients expect (400 invalid
 request, context too long or unsupported option; 404 unknown model; 503 overloaded or worker lost,
@@ -38,10 +40,13 @@ from schemas.client import (
     CompletionRequest,
     EmbeddingRequest,
     ImageRequest,
+    NamedToolChoice,
     ResponseFormat,
     StreamFormat,
+    ToolSpec,
 )
 from schemas.replies import EmbeddingResult, ErrorCode, FinalFrame, ImageResult, TokenChunk, Usage
+from workers.output_parsing import OutputParser, ParsedDelta, ToolFormat
 
 log = structlog.get_logger(__name__)
 
@@ -96,6 +101,15 @@ class ChatBody(_OpenAIBody):
     logprobs: bool = False
     top_logprobs: int = 0
     response_format: ResponseFormat | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+
+    def output_parser(self, reasoning: bool) -> OutputParser | None:
+        """How the answer's text is read back: tool calls when tools may be called, reasoning when configured."""
+        calls = None
+        if self.tools and self.tool_choice != "none":
+            calls = ToolFormat.HERMES if self.tool_choice in (None, "auto") else ToolFormat.JSON
+        return OutputParser(calls, reasoning) if calls is not None or reasoning else None
 
 
 class CompletionBody(_OpenAIBody):
@@ -136,6 +150,8 @@ class GatewayOptions:
     first_token_timeout_s: float = 120.0
     # On shutdown, how long open responses may run before they are cut (and their requests cancelled).
     shutdown_grace_s: float = 30.0
+    # Split an answer's leading <think>...</think> into `reasoning_content` (reasoning models).
+    reasoning_parser: bool = False
 
 
 class OpenAIError(Exception):
@@ -207,7 +223,8 @@ class Gateway:
             model=body.model, messages=body.messages, stream_format=StreamFormat.OPENAI, logprobs=body.logprobs,
             top_logprobs=body.top_logprobs, response_format=body.response_format, **body.generation_fields(),
         )
-        return await self._serve(request, message, body, chat=True)
+        return await self._serve(request, message, body, chat=True,
+                                 parser=body.output_parser(self._options.reasoning_parser))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await _parse(request, CompletionBody)
@@ -253,10 +270,10 @@ class Gateway:
                                  headers={"x-request-id": message.request_id, "x-image-seed": str(result.seed)})
 
     async def _serve(self, http: web.Request, message: ChatRequest | CompletionRequest, body: _OpenAIBody,
-                     chat: bool) -> web.StreamResponse:
+                     chat: bool, parser: OutputParser | None = None) -> web.StreamResponse:
         structlog.contextvars.bind_contextvars(request_id=message.request_id)
         stream = await self._client.submit(message, first_frame_timeout_s=self._options.first_token_timeout_s)
-        shape = _Shape(message.request_id, body.model, chat)
+        shape = _Shape(message.request_id, body.model, chat, parser)
         try:
             async with stream:
                 if body.stream:
@@ -295,13 +312,13 @@ class Gateway:
         await response.prepare(http)
         try:
             if first is not None:
-                await _send(response, shape.chunk(first))
+                await _send_unless_empty(response, shape.chunk(first))
                 async for chunk in chunks:
-                    await _send(response, shape.chunk(chunk))
+                    await _send_unless_empty(response, shape.chunk(chunk))
             final = stream.terminal
             assert isinstance(final, FinalFrame)
-            if not shape.chat:
-                await _send(response, shape.completion_finish(final))
+            for event in shape.finish(final):
+                await _send(response, event)
             if include_usage:
                 await _send(response, shape.usage_chunk(final.usage))
             await response.write(b"data: [DONE]\n\n")
@@ -331,13 +348,16 @@ class Gateway:
 
 
 class _Shape:
-    """Reply frames as OpenAI JSON: chat.completion(.chunk) or text_completion."""
+    """Reply frames as OpenAI JSON: chat.completion(.chunk) or text_completion. With a parser (tools, reasoning) the
+    chat chunks are made here from the text; otherwise the decode worker's own chunks go out as they are."""
 
-    def __init__(self, request_id: str, model: str, chat: bool) -> None:
-        self.request_id, self.model, self.chat = request_id, model, chat
+    def __init__(self, request_id: str, model: str, chat: bool, parser: OutputParser | None = None) -> None:
+        self.request_id, self.model, self.chat, self.parser = request_id, model, chat, parser
         self.created = int(time.time())
 
-    def chunk(self, chunk: TokenChunk) -> dict[str, Any]:
+    def chunk(self, chunk: TokenChunk) -> dict[str, Any] | None:
+        if self.chat and self.parser is not None:
+            return self._parsed_chunk(self.parser.feed(chunk.text or ""), None)
         if self.chat:
             if chunk.openai is None:
                 raise OpenAIError(500, "the decode worker sent no OpenAI chunk", "server_error")
@@ -345,9 +365,31 @@ class _Shape:
         return {"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": [{"index": chunk.index, "text": chunk.text or "", "finish_reason": None, "logprobs": None}]}
 
-    def completion_finish(self, final: FinalFrame) -> dict[str, Any]:
-        return {"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": "", "finish_reason": _openai_reason(final), "logprobs": None}]}
+    def finish(self, final: FinalFrame) -> list[dict[str, Any]]:
+        """The events that end a stream, before the usage chunk: the text the parser held back and the finish reason
+        (the decode worker's last chunk carries it when there is no parser)."""
+        if not self.chat:
+            return [{"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model,
+                     "choices": [{"index": 0, "text": "", "finish_reason": _openai_reason(final), "logprobs": None}]}]
+        if self.parser is None:
+            return []
+        held = self._parsed_chunk(self.parser.finish(), None)
+        return [*([held] if held else []), self._parsed_chunk(None, self._reason(final))]  # type: ignore[list-item]
+
+    def _parsed_chunk(self, delta: ParsedDelta | None, reason: str | None) -> dict[str, Any] | None:
+        if delta is not None and not delta:
+            return None
+        fields: dict[str, Any] = {}
+        if delta is not None:
+            fields |= {"content": delta.content} if delta.content else {}
+            fields |= {"reasoning_content": delta.reasoning} if delta.reasoning else {}
+            fields |= {"tool_calls": delta.tool_calls} if delta.tool_calls else {}
+        return {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "delta": fields, "finish_reason": reason, "logprobs": None}]}
+
+    def _reason(self, final: FinalFrame) -> str:
+        called = self.parser is not None and self.parser.num_calls and final.finish_reason.value == "stop"
+        return "tool_calls" if called else _openai_reason(final)
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
@@ -357,13 +399,24 @@ class _Shape:
     def whole(self, text: str, final: FinalFrame) -> dict[str, Any]:
         reason = _openai_reason(final)
         if self.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                      "finish_reason": reason, "logprobs": None}
+            choice: dict[str, Any] = {"index": 0, "message": self._message(text), "finish_reason": self._reason(final),
+                                      "logprobs": None}
             kind = "chat.completion"
         else:
             choice, kind = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}, "text_completion"
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model,
                 "choices": [choice], "usage": _usage(final.usage)}
+
+
+    def _message(self, text: str) -> dict[str, Any]:
+        if self.parser is None:
+            return {"role": "assistant", "content": text}
+        parsed = self.parser.feed(text)
+        rest = self.parser.finish()
+        content, reasoning = parsed.content + rest.content, parsed.reasoning + rest.reasoning
+        calls = [{key: value for key, value in call.items() if key != "index"} for call in parsed.tool_calls + rest.tool_calls]
+        return ({"role": "assistant", "content": content or (None if calls else "")}
+                | ({"reasoning_content": reasoning} if reasoning else {}) | ({"tool_calls": calls} if calls else {}))
 
 
 def _openai_reason(final: FinalFrame) -> str:
@@ -374,6 +427,11 @@ def _openai_reason(final: FinalFrame) -> str:
 def _usage(usage: Usage) -> dict[str, Any]:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+async def _send_unless_empty(response: web.StreamResponse, event: dict[str, Any] | None) -> None:
+    if event is not None:
+        await _send(response, event)
 
 
 async def _send(response: web.StreamResponse, event: dict[str, Any]) -> None:

@@ -33,6 +33,7 @@ values never reach here: the consumer answers them with `invalid_request` from t
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import time
 import uuid
@@ -52,8 +53,10 @@ from schemas.client import (
     CLIENT_REQUEST,
     ChatRequest,
     CompletionRequest,
+    ChatMessage,
     EmbeddingRequest,
     ImageRequest,
+    NamedToolChoice,
     GenerationRequest,
     ResponseFormat,
     TextPart,
@@ -325,8 +328,8 @@ class ProcessorStage:
         marker = f"<conveyor-image-{uuid.uuid4().hex}>"
         messages, media = [], []
         for message in request.messages:
-            if isinstance(message.content, str):
-                text = message.content
+            if message.content is None or isinstance(message.content, str):
+                text = message.content or ""
             else:
                 pieces = []
                 for part in message.content:
@@ -341,13 +344,16 @@ class ProcessorStage:
                         pieces.append(marker)
                         media.append(MediaItem(modality="image", source=part.image_url))
                 text = "".join(pieces)
-            messages.append({"role": message.role, "content": text})
-        if not media and not any(m["content"].strip() for m in messages):
+            messages.append({"role": message.role, "content": text} | _tool_fields(message))
+        if not media and not any(m["content"].strip() or m.get("tool_calls") for m in messages):
             raise RejectRequest(ErrorCode.INVALID_REQUEST, "every message is empty")
+        # The tools go into the model's own chat template, which tells the model how to call them.
+        tools = ([tool.model_dump(mode="json", exclude_none=True) for tool in request.tools]
+                 if request.tools and request.tool_choice != "none" else None)
         if not media:
-            ids = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = model.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids), media
-        templated = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        templated = model.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         token_ids: list[int] = []
         for index, piece in enumerate(templated.split(marker)):
             if index:
@@ -437,12 +443,51 @@ def _guided(request: GenerationRequest) -> GuidedDecoding | None:
     constraints = [GuidedDecoding(regex=request.guided_regex) if request.guided_regex is not None else None,
                    GuidedDecoding(choice=request.guided_choice) if request.guided_choice is not None else None,
                    GuidedDecoding(grammar=request.guided_grammar) if request.guided_grammar is not None else None,
-                   _json_constraint(request.response_format)]
+                   _json_constraint(request.response_format),
+                   _tool_call_constraint(request) if isinstance(request, ChatRequest) else None]
     given = [constraint for constraint in constraints if constraint is not None]
     if len(given) > 1:
         raise RejectRequest(ErrorCode.INVALID_REQUEST, "give at most one of response_format (json), guided_regex, "
                             "guided_choice and guided_grammar")
     return given[0] if given else None
+
+
+def _tool_call_constraint(request: ChatRequest) -> GuidedDecoding | None:
+    """`tool_choice` "required" or a named function: the answer is one call, `{"name": ..., "arguments": {...}}`,
+    whose arguments fit the function's parameters (the gateway turns it into `tool_calls`)."""
+    choice = request.tool_choice
+    if choice is None or choice in ("none", "auto"):
+        return None
+    tools = request.tools or []
+    if isinstance(choice, NamedToolChoice):
+        tools = [tool for tool in tools if tool.function.name == choice.function.name]
+        if not tools:
+            raise RejectRequest(ErrorCode.INVALID_REQUEST, f"tool_choice names {choice.function.name!r}, "
+                                "which is not among the request's tools")
+    if not tools:
+        raise RejectRequest(ErrorCode.INVALID_REQUEST, "tool_choice 'required' needs tools")
+    calls = [{"type": "object", "properties": {"name": {"const": tool.function.name},
+                                              "arguments": tool.function.parameters},
+              "required": ["name", "arguments"], "additionalProperties": False} for tool in tools]
+    return GuidedDecoding(json_schema=calls[0] if len(calls) == 1 else {"anyOf": calls})
+
+
+def _tool_fields(message: ChatMessage) -> dict[str, Any]:
+    """A message's tool calls and tool-call id as chat templates read them (arguments as objects)."""
+    fields: dict[str, Any] = {}
+    if message.tool_calls:
+        fields["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+            "name": call.function.name, "arguments": _arguments(call.function.arguments)}} for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        fields["tool_call_id"] = message.tool_call_id
+    return fields
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # not JSON: the template shows it as it came
 
 
 def _json_constraint(response_format: ResponseFormat | None) -> GuidedDecoding | None:

@@ -50,9 +50,10 @@ class ByteTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(t - 3 for t in token_ids if 3 <= t < 259).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tokenize: bool = True) -> list[int]:
-        return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: ")
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                            add_generation_prompt: bool = True, tokenize: bool = True) -> list[int]:
+        offered = "".join(f"tool: {tool['function']['name']}\n" for tool in tools or [])
+        return self.encode(offered + "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: ")
 
 
 def load_tokenizer(kind: EngineKind, model: str | None) -> Any:
