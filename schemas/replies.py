@@ -59,12 +59,15 @@ class Usage(WireModel):
 class TopLogprob(WireModel):
     token_id: int
     logprob: float
+    # The token's text, as OpenAI's responses show it (None where the engine did not say).
+    token: str | None = None
 
 
 class TokenLogprob(WireModel):
     token_id: int
     logprob: float
     top: list[TopLogprob] = Field(default_factory=list)
+    token: str | None = None
 
 
 class ChatDelta(WireModel):

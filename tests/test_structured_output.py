@@ -107,3 +107,31 @@ async def test_tool_calls_and_reasoning_come_back_in_openai_fields(bus: Bus) -> 
     message = thought.choices[0].message
     reasoning = message.model_extra.get("reasoning_content") if message.model_extra else None
     assert reasoning and "<think>" not in (message.content or "") and message.content
+
+
+async def test_logprobs_come_back_in_openai_shape_for_chat_and_completions(bus: Bus) -> None:
+    specs = [(Stage.PROCESSOR, ProcessorStage({DEFAULT_MODEL: served_model(EngineKind.TORCH, DEFAULT_MODEL)})),
+             (Stage.DECODE, DecodeStage(TorchEngine(TorchEngineConfig(max_step_tokens=128)), DEFAULT_MODEL))]
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    async with running_workers(bus, specs, model=DEFAULT_MODEL):
+        async with serving(client_of(bus), GatewayOptions(host="127.0.0.1", port=0)) as port:
+            sdk = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+            whole = await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=ask, max_tokens=12, temperature=0.0,
+                                                      logprobs=True, top_logprobs=3)
+            streamed = await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=ask, max_tokens=12,
+                                                         temperature=0.0, logprobs=True, top_logprobs=3, stream=True)
+            streamed_entries = [entry async for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
+                                for entry in chunk.choices[0].logprobs.content or []]
+            completion = await sdk.completions.create(model=DEFAULT_MODEL, prompt="The capital of France is",
+                                                      max_tokens=8, temperature=0.0, logprobs=2)
+            await sdk.close()
+    entries = whole.choices[0].logprobs.content
+    assert "".join(entry.token for entry in entries) == whole.choices[0].message.content
+    for entry in entries:  # greedy: each chosen token is the most likely one
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
+        assert entry.bytes == list(entry.token.encode())
+    assert [(e.token, round(e.logprob, 4)) for e in streamed_entries] == [(e.token, round(e.logprob, 4)) for e in entries]
+    shaped = completion.choices[0].logprobs
+    assert "".join(shaped.tokens) == completion.choices[0].text and len(shaped.token_logprobs) == len(shaped.tokens)
+    assert all(len(top) <= 2 for top in shaped.top_logprobs)
+    assert shaped.text_offset == [sum(len(t) for t in shaped.tokens[:i]) for i in range(len(shaped.tokens))]

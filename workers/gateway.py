@@ -45,7 +45,7 @@ from schemas.client import (
     StreamFormat,
     ToolSpec,
 )
-from schemas.replies import EmbeddingResult, ErrorCode, FinalFrame, ImageResult, TokenChunk, Usage
+from schemas.replies import EmbeddingResult, ErrorCode, FinalFrame, ImageResult, TokenChunk, TokenLogprob, Usage
 from workers.output_parsing import OutputParser, ParsedDelta, ToolFormat
 
 log = structlog.get_logger(__name__)
@@ -294,7 +294,8 @@ class Gateway:
     async def _whole(self, stream: ReplyStream, shape: _Shape) -> web.Response:
         chunks, final = await _collect(stream)
         assert isinstance(final, FinalFrame)
-        return web.json_response(shape.whole("".join(c.text or "" for c in chunks), final),
+        logprobs = [entry for chunk in chunks for entry in chunk.logprobs or []]
+        return web.json_response(shape.whole("".join(c.text or "" for c in chunks), final, logprobs),
                                  headers={"x-request-id": shape.request_id})
 
     async def _stream(self, http: web.Request, stream: ReplyStream, shape: _Shape, include_usage: bool) -> web.StreamResponse:
@@ -354,16 +355,36 @@ class _Shape:
     def __init__(self, request_id: str, model: str, chat: bool, parser: OutputParser | None = None) -> None:
         self.request_id, self.model, self.chat, self.parser = request_id, model, chat, parser
         self.created = int(time.time())
+        # Completions' logprobs count characters from the start of the answer.
+        self._text_offset = 0
 
     def chunk(self, chunk: TokenChunk) -> dict[str, Any] | None:
         if self.chat and self.parser is not None:
-            return self._parsed_chunk(self.parser.feed(chunk.text or ""), None)
-        if self.chat:
+            event = self._parsed_chunk(self.parser.feed(chunk.text or ""), None)
+        elif self.chat:
             if chunk.openai is None:
                 raise OpenAIError(500, "the decode worker sent no OpenAI chunk", "server_error")
-            return chunk.openai.model_dump(mode="json", exclude={"usage"}) | {"id": self.request_id}
-        return {"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": chunk.index, "text": chunk.text or "", "finish_reason": None, "logprobs": None}]}
+            event = chunk.openai.model_dump(mode="json", exclude={"usage"}) | {"id": self.request_id}
+        else:
+            event = {"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model,
+                     "choices": [{"index": chunk.index, "text": chunk.text or "", "finish_reason": None,
+                                  "logprobs": None}]}
+        if event is not None and chunk.logprobs:
+            event["choices"][0]["logprobs"] = self._logprobs(chunk.logprobs)
+        return event
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any]:
+        """OpenAI's logprobs object: chat's `content` list, or completions' parallel lists with text offsets."""
+        if self.chat:
+            return {"content": [_chat_logprob(entry) for entry in entries]}
+        tokens = [entry.token or "" for entry in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(self._text_offset)
+            self._text_offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [entry.logprob for entry in entries],
+                "top_logprobs": [{top.token or "": top.logprob for top in entry.top} for entry in entries],
+                "text_offset": offsets}
 
     def finish(self, final: FinalFrame) -> list[dict[str, Any]]:
         """The events that end a stream, before the usage chunk: the text the parser held back and the finish reason
@@ -396,14 +417,15 @@ class _Shape:
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model, "choices": [],
                 "usage": _usage(usage)}
 
-    def whole(self, text: str, final: FinalFrame) -> dict[str, Any]:
+    def whole(self, text: str, final: FinalFrame, logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
         reason = _openai_reason(final)
+        shaped = self._logprobs(logprobs) if logprobs else None
         if self.chat:
             choice: dict[str, Any] = {"index": 0, "message": self._message(text), "finish_reason": self._reason(final),
-                                      "logprobs": None}
+                                      "logprobs": shaped}
             kind = "chat.completion"
         else:
-            choice, kind = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}, "text_completion"
+            choice, kind = {"index": 0, "text": text, "finish_reason": reason, "logprobs": shaped}, "text_completion"
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model,
                 "choices": [choice], "usage": _usage(final.usage)}
 
@@ -417,6 +439,13 @@ class _Shape:
         calls = [{key: value for key, value in call.items() if key != "index"} for call in parsed.tool_calls + rest.tool_calls]
         return ({"role": "assistant", "content": content or (None if calls else "")}
                 | ({"reasoning_content": reasoning} if reasoning else {}) | ({"tool_calls": calls} if calls else {}))
+
+
+def _chat_logprob(entry: TokenLogprob) -> dict[str, Any]:
+    token = entry.token or ""
+    return {"token": token, "logprob": entry.logprob, "bytes": list(token.encode()),
+            "top_logprobs": [{"token": top.token or "", "logprob": top.logprob, "bytes": list((top.token or "").encode())}
+                             for top in entry.top]}
 
 
 def _openai_reason(final: FinalFrame) -> str:

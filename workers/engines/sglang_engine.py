@@ -217,10 +217,15 @@ def logprobs_of(meta_info: dict[str, Any], num_new: int) -> list[TokenLogprob] |
     for index, entry in enumerate(entries[-num_new:]):
         top_entries = tops[-num_new:][index] if len(tops) >= num_new else []
         result.append(TokenLogprob(
-            token_id=int(entry[1]), logprob=float(entry[0]),
-            top=[TopLogprob(token_id=int(t[1]), logprob=float(t[0])) for t in (top_entries or [])],
+            token_id=int(entry[1]), logprob=float(entry[0]), token=_text_of(entry),
+            top=[TopLogprob(token_id=int(t[1]), logprob=float(t[0]), token=_text_of(t)) for t in (top_entries or [])],
         ))
     return result
+
+
+def _text_of(entry: Any) -> str | None:
+    """The token text SGLang adds as the entry's third item (`return_text_in_logprobs`)."""
+    return entry[2] if len(entry) > 2 and isinstance(entry[2], str) else None
 
 
 _FIELD_NAMES = {"BlockStored": ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"],
@@ -402,6 +407,8 @@ class SGLangEngine:
             "rid": request.request_id,
             "return_logprob": request.output.logprobs,
         }
+        if request.output.logprobs:
+            kwargs["return_text_in_logprobs"] = True
         if request.output.logprobs and request.output.top_logprobs:
             kwargs["top_logprobs_num"] = request.output.top_logprobs
         kwargs.update(bootstrap_arguments(request, self.config.role))

@@ -24,7 +24,7 @@ import structlog
 import torch
 
 from schemas.registry import BootstrapEndpoint
-from schemas.replies import FinishReason
+from schemas.replies import FinishReason, TokenLogprob
 from workers.engines.detokenizer import IncrementalDetokenizer
 from workers.engines.torch_engine.grammar import GrammarCompiler, GrammarMatcher
 from workers.engines.events import KvEventFanout
@@ -467,7 +467,7 @@ class TorchEngine:
         seq.token_ids.append(sampled.token_id)
         text = seq.detokenizer.add([sampled.token_id])
         finish, matched = self._stop_reason(seq, sampled.token_id)
-        logprobs = [sampled.logprob] if sampled.logprob is not None else None
+        logprobs = [self._with_text(sampled.logprob)] if sampled.logprob is not None else None
         stream = self._streams.get(seq.request_id)
         if finish is None:
             if stream is not None:
@@ -480,6 +480,15 @@ class TorchEngine:
         if stream is not None:
             text += seq.detokenizer.flush()
             stream.put(self._final(seq, finish, [sampled.token_id], text, logprobs, matched))
+
+    def _with_text(self, logprob: TokenLogprob) -> TokenLogprob:
+        """The entry with each token's text (what OpenAI's responses show), decoded on its own; special tokens
+        (EOS) show as "", as they do in the answer's text."""
+        def text(token_id: int) -> str:
+            return self.tokenizer.decode([token_id], skip_special_tokens=True)
+
+        return logprob.model_copy(update={"token": text(logprob.token_id), "top": [
+            top.model_copy(update={"token": text(top.token_id)}) for top in logprob.top]})
 
     def _stop_reason(self, seq: Sequence, token: int) -> tuple[FinishReason | None, str | int | None]:
         completion = seq.num_completion_tokens
