@@ -1,6 +1,6 @@
-"""Structured output through the gateway on the real default model (torch engine, xgrammar masks): the openai SDK's
-`chat.completions.parse` with a pydantic model, `json_object`, and the guided_regex / guided_choice / guided_grammar
-extensions; conflicting constraints refused."""
+"""OpenAI features through the gateway on the real default model (torch engine), with the openai SDK: structured
+output (`chat.completions.parse` with a pydantic model, `json_object`, guided_regex / _choice / _grammar; conflicting
+constraints refused), tool calls and reasoning, logprobs, and n > 1."""
 
 from __future__ import annotations
 
@@ -135,3 +135,34 @@ async def test_logprobs_come_back_in_openai_shape_for_chat_and_completions(bus: 
     assert "".join(shaped.tokens) == completion.choices[0].text and len(shaped.token_logprobs) == len(shaped.tokens)
     assert all(len(top) <= 2 for top in shaped.top_logprobs)
     assert shaped.text_offset == [sum(len(t) for t in shaped.tokens[:i]) for i in range(len(shaped.tokens))]
+
+
+async def test_n_choices_stream_with_their_index_and_share_the_prompt_in_the_cache(bus: Bus) -> None:
+    engine = TorchEngine(TorchEngineConfig(max_step_tokens=256))
+    specs = [(Stage.PROCESSOR, ProcessorStage({DEFAULT_MODEL: served_model(EngineKind.TORCH, DEFAULT_MODEL)})),
+             (Stage.DECODE, DecodeStage(engine, DEFAULT_MODEL))]
+    ask = [{"role": "user", "content": "Write one sentence about the sea, in a style of your choosing. " * 6}]
+    async with running_workers(bus, specs, model=DEFAULT_MODEL):
+        async with serving(client_of(bus), GatewayOptions(host="127.0.0.1", port=0)) as port:
+            sdk = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+            whole = await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=ask, n=3, max_tokens=16,
+                                                      temperature=1.0, seed=7)
+            again = await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=ask, n=3, max_tokens=16,
+                                                      temperature=1.0, seed=7)
+            streamed = await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=ask, n=2, max_tokens=8,
+                                                         temperature=1.0, stream=True)
+            chunks = [chunk async for chunk in streamed]
+            texts = await sdk.completions.create(model=DEFAULT_MODEL, prompt="Once upon a time", n=2, max_tokens=6,
+                                                 temperature=1.0, seed=1)
+            await sdk.close()
+    assert [choice.index for choice in whole.choices] == [0, 1, 2]
+    contents = [choice.message.content for choice in whole.choices]
+    assert len(set(contents)) == 3 and contents == [choice.message.content for choice in again.choices]
+    # The prompt counted once, the three completions summed.
+    assert 3 <= whole.usage.completion_tokens <= 48 and whole.usage.prompt_tokens < 150
+    # The prompt was computed once: the later choices found it in the prefix cache.
+    assert engine.load().cache_hit_rate > 0.3
+    indexes = {chunk.choices[0].index for chunk in chunks if chunk.choices}
+    finishes = [chunk.choices[0] for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason]
+    assert indexes == {0, 1} and sorted(choice.index for choice in finishes) == [0, 1]
+    assert [choice.index for choice in texts.choices] == [0, 1] and all(choice.text for choice in texts.choices)

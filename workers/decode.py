@@ -10,7 +10,10 @@ rows replace the prompt's image tokens' embeddings.
 Emits to the task's `reply_to`: `TokenChunk`s — token ids always, the text delta when the request
 asked for text (whole characters only, matched stop strings hidden), an OpenAI
 `chat.completion.chunk` when asked for that shape — then one `FinalFrame` with the normalized
-finish reason and usage (prompt, completion, total, cached tokens).
+finish reason and usage (prompt, completion, total, cached tokens). With `n` > 1 (aggregated only) the n
+generations stream side by side, each chunk with its choice's `index` (and its own finish chunk in the OpenAI
+shape); the others start once the first has streamed, so they share its prompt's KV through the prefix cache;
+the final frame counts the prompt once and sums the completions.
 
 Migration: every reply stream is journaled (bus/journal.py). A task redelivered because its replica
 died or stopped mid-stream is taken over where it stopped: the tokens the client has are appended to
@@ -144,7 +147,10 @@ class DecodeStage:
             resumed=ResumedOutput(resumed.token_ids, resumed.text) if resumed is not None else None,
         )
         async with delivery.reply as reply:
-            outcome = await self._stream(task, request, reply, delivery, len(generated))
+            if request.sampling.n > 1:
+                outcome = await self._stream_choices(task, request, reply, delivery)
+            else:
+                outcome = await self._stream(task, request, reply, delivery, len(generated))
         REQUESTS.labels(stage=Stage.DECODE.value, model=self.model, outcome=outcome).inc()
         END_TO_END.labels(model=self.model).observe(max(0.0, time.time() - task.header.created_at_s))
 
@@ -230,6 +236,62 @@ class DecodeStage:
         await reply.fail(ErrorCode.INTERNAL, "the engine ended the stream without a final output", retryable=True)
         return "error"
 
+    async def _stream_choices(self, task: DecodeTask, request: GenerateRequest, reply: ReplySender,
+                              delivery: Delivery) -> str:
+        """`n` > 1: n generations of the prompt, streamed with their `index`. Choice 0 starts first and the others
+        once it has streamed, so they find the prompt in the prefix cache instead of computing it again."""
+        if request.bootstrap is not None:
+            raise RejectRequest(ErrorCode.UNSUPPORTED, "n > 1 runs on aggregated decode workers (the prompt's KV "
+                                "arrives once, for one generation)")
+        seed = request.sampling.seed
+        choices = [replace(request, request_id=f"{request.request_id}.{index}", sampling=request.sampling.model_copy(
+            update={"n": 1, "seed": None if seed is None else seed + index})) for index in range(request.sampling.n)]
+        prompt_cached = asyncio.Event()
+        finals: dict[int, GenerateOutput] = {}
+
+        async def run(index: int) -> None:
+            shape = _Shaper(task, self.model, index=index)
+            stopper = asyncio.create_task(_abort_when_stopped(self._engine, choices[index].request_id, delivery, reply))
+            try:
+                if index:
+                    await prompt_cached.wait()
+                async for output in self._engine.generate(choices[index]):
+                    prompt_cached.set()
+                    if output.finished:
+                        finals[index] = output
+                        if output.token_ids or output.text or shape.wants_openai:
+                            await reply.send_tokens(output.token_ids, index=index,
+                                                    **shape.chunk(output, final_reason=output.finish_reason))
+                        return
+                    await reply.send_tokens(output.token_ids, index=index, **shape.chunk(output))
+            finally:
+                prompt_cached.set()  # choice 0 failed before streaming: the others go on their own
+                stopper.cancel()
+
+        try:
+            # A task group: one choice failing stops the others (their engine requests are aborted).
+            async with asyncio.TaskGroup() as group:
+                for index in range(len(choices)):
+                    group.create_task(run(index))
+        except* UnsupportedOption as errors:
+            raise RejectRequest(ErrorCode.UNSUPPORTED, str(errors.exceptions[0])) from None
+        return await self._finish_choices(finals, len(choices), len(request.token_ids), reply)
+
+    async def _finish_choices(self, finals: dict[int, GenerateOutput], num_choices: int, prompt_tokens: int,
+                              reply: ReplySender) -> str:
+        """One final frame for the n choices: the prompt counted once (its cached share as the first choice found
+        it), their completion tokens summed; `length` if any choice was cut, `cancelled` if any was stopped."""
+        failed = [output for output in finals.values() if output.finish_reason == FinishReason.ERROR]
+        if failed or len(finals) < num_choices:
+            await reply.fail(ErrorCode.INTERNAL, (failed[0].error or "engine error") if failed else "a choice ended early")
+            return "error"
+        reasons = {output.finish_reason for output in finals.values()}
+        reason = next((r for r in (FinishReason.CANCELLED, FinishReason.LENGTH) if r in reasons), FinishReason.STOP)
+        usage = Usage.of(prompt_tokens, sum(output.completion_tokens for output in finals.values()),
+                         finals[0].cached_tokens)
+        await reply.finish(reason, usage)
+        return reason.value
+
     async def _finish(self, output: GenerateOutput, shape: _Shaper, reply: ReplySender, delivery: Delivery,
                       prompt_tokens: int, num_streamed: int) -> str:
         assert output.finish_reason is not None
@@ -250,7 +312,8 @@ class DecodeStage:
 class _Shaper:
     """Turns engine outputs into the chunk fields the request asked for."""
 
-    def __init__(self, task: DecodeTask, model: str, role_sent: bool = False) -> None:
+    def __init__(self, task: DecodeTask, model: str, role_sent: bool = False, index: int = 0) -> None:
+        self._index = index
         self._format = task.header.stream_format
         self._request_id = task.request_id
         self._model = model
@@ -272,7 +335,8 @@ class _Shaper:
             self._sent_role = True
             fields["openai"] = ChatCompletionChunk(
                 id=self._request_id, created=self._created, model=self._model,
-                choices=[ChatChunkChoice(delta=delta, finish_reason=final_reason.value if final_reason else None)],
+                choices=[ChatChunkChoice(index=self._index, delta=delta,
+                                         finish_reason=final_reason.value if final_reason else None)],
                 usage=usage,
             )
         return fields

@@ -223,8 +223,10 @@ class Gateway:
             model=body.model, messages=body.messages, stream_format=StreamFormat.OPENAI, logprobs=body.logprobs,
             top_logprobs=body.top_logprobs, response_format=body.response_format, **body.generation_fields(),
         )
-        return await self._serve(request, message, body, chat=True,
-                                 parser=body.output_parser(self._options.reasoning_parser))
+        parser = body.output_parser(self._options.reasoning_parser)
+        if parser is not None and body.n > 1:
+            raise OpenAIError(400, "n > 1 cannot be combined with tools or the reasoning parser here")
+        return await self._serve(request, message, body, chat=True, parser=parser)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await _parse(request, CompletionBody)
@@ -294,9 +296,7 @@ class Gateway:
     async def _whole(self, stream: ReplyStream, shape: _Shape) -> web.Response:
         chunks, final = await _collect(stream)
         assert isinstance(final, FinalFrame)
-        logprobs = [entry for chunk in chunks for entry in chunk.logprobs or []]
-        return web.json_response(shape.whole("".join(c.text or "" for c in chunks), final, logprobs),
-                                 headers={"x-request-id": shape.request_id})
+        return web.json_response(shape.whole(chunks, final), headers={"x-request-id": shape.request_id})
 
     async def _stream(self, http: web.Request, stream: ReplyStream, shape: _Shape, include_usage: bool) -> web.StreamResponse:
         chunks = stream.__aiter__()
@@ -357,8 +357,11 @@ class _Shape:
         self.created = int(time.time())
         # Completions' logprobs count characters from the start of the answer.
         self._text_offset = 0
+        # Choices seen in the stream (n > 1), each ended with its own finish event.
+        self._indexes: set[int] = set()
 
     def chunk(self, chunk: TokenChunk) -> dict[str, Any] | None:
+        self._indexes.add(chunk.index)
         if self.chat and self.parser is not None:
             event = self._parsed_chunk(self.parser.feed(chunk.text or ""), None)
         elif self.chat:
@@ -391,7 +394,8 @@ class _Shape:
         (the decode worker's last chunk carries it when there is no parser)."""
         if not self.chat:
             return [{"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model,
-                     "choices": [{"index": 0, "text": "", "finish_reason": _openai_reason(final), "logprobs": None}]}]
+                     "choices": [{"index": index, "text": "", "finish_reason": _openai_reason(final), "logprobs": None}]}
+                    for index in sorted(self._indexes) or [0]]
         if self.parser is None:
             return []
         held = self._parsed_chunk(self.parser.finish(), None)
@@ -417,17 +421,28 @@ class _Shape:
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model, "choices": [],
                 "usage": _usage(usage)}
 
-    def whole(self, text: str, final: FinalFrame, logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
-        reason = _openai_reason(final)
-        shaped = self._logprobs(logprobs) if logprobs else None
+    def whole(self, chunks: list[TokenChunk], final: FinalFrame) -> dict[str, Any]:
+        """The whole response: one choice per `index` the chunks carry (n > 1), in order."""
+        by_index: dict[int, list[TokenChunk]] = {}
+        for chunk in chunks:
+            by_index.setdefault(chunk.index, []).append(chunk)
+        choices = [self._whole_choice(index, by_index.get(index, []), final) for index in sorted(by_index) or [0]]
+        return {"id": self.request_id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, "usage": _usage(final.usage)}
+
+    def _whole_choice(self, index: int, chunks: list[TokenChunk], final: FinalFrame) -> dict[str, Any]:
+        text = "".join(chunk.text or "" for chunk in chunks)
+        entries = [entry for chunk in chunks for entry in chunk.logprobs or []]
+        self._text_offset = 0
+        shaped = self._logprobs(entries) if entries else None
+        # Each choice's own reason where the worker sent one (its OpenAI finish chunk), else the request's.
+        own = next((c.openai.choices[0].finish_reason for c in reversed(chunks)
+                    if c.openai is not None and c.openai.choices and c.openai.choices[0].finish_reason), None)
         if self.chat:
-            choice: dict[str, Any] = {"index": 0, "message": self._message(text), "finish_reason": self._reason(final),
-                                      "logprobs": shaped}
-            kind = "chat.completion"
-        else:
-            choice, kind = {"index": 0, "text": text, "finish_reason": reason, "logprobs": shaped}, "text_completion"
-        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model,
-                "choices": [choice], "usage": _usage(final.usage)}
+            message = self._message(text)  # first: it counts the tool calls the reason depends on
+            reason = self._reason(final) if own is None or self.parser is not None else _openai_reason_of(own)
+            return {"index": index, "message": message, "finish_reason": reason, "logprobs": shaped}
+        return {"index": index, "text": text, "finish_reason": _openai_reason(final), "logprobs": shaped}
 
 
     def _message(self, text: str) -> dict[str, Any]:
@@ -449,8 +464,12 @@ def _chat_logprob(entry: TokenLogprob) -> dict[str, Any]:
 
 
 def _openai_reason(final: FinalFrame) -> str:
+    return _openai_reason_of(final.finish_reason.value)
+
+
+def _openai_reason_of(reason: str) -> str:
     # OpenAI has no "cancelled"; a cancelled request's client is usually gone anyway.
-    return {"cancelled": "stop", "error": "stop"}.get(final.finish_reason.value, final.finish_reason.value)
+    return {"cancelled": "stop", "error": "stop"}.get(reason, reason)
 
 
 def _usage(usage: Usage) -> dict[str, Any]:
