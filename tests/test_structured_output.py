@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Literal
 
 import openai
@@ -30,29 +32,41 @@ class City(BaseModel):
     population_millions: int = Field(ge=0, le=50)
 
 
-async def test_every_constraint_holds_through_the_gateway_with_the_openai_sdk(bus: Bus) -> None:
+@asynccontextmanager
+async def openai_sdk(bus: Bus, engine: TorchEngine | None = None,
+                     reasoning_parser: bool = False) -> AsyncIterator[openai.AsyncOpenAI]:
+    """The openai SDK on a gateway in front of a processor and a decode worker on the default model."""
+    engine = engine or TorchEngine(TorchEngineConfig(max_step_tokens=128))
     specs = [(Stage.PROCESSOR, ProcessorStage({DEFAULT_MODEL: served_model(EngineKind.TORCH, DEFAULT_MODEL)})),
-             (Stage.DECODE, DecodeStage(TorchEngine(TorchEngineConfig(max_step_tokens=128)), DEFAULT_MODEL))]
-    ask = [{"role": "user", "content": "Name a large European city, its country and its population."}]
+             (Stage.DECODE, DecodeStage(engine, DEFAULT_MODEL))]
     async with running_workers(bus, specs, model=DEFAULT_MODEL):
-        async with serving(client_of(bus), GatewayOptions(host="127.0.0.1", port=0)) as port:
+        options = GatewayOptions(host="127.0.0.1", port=0, reasoning_parser=reasoning_parser)
+        async with serving(client_of(bus), options) as port:
             sdk = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-            parsed = await sdk.chat.completions.parse(model=DEFAULT_MODEL, messages=ask, response_format=City,
-                                                      temperature=0.0, max_tokens=120)
-            as_object = await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=ask, temperature=0.0,
-                                                          max_tokens=300, response_format={"type": "json_object"})
-            choice = await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=ask, max_tokens=20, temperature=1.0,
-                                                       extra_body={"guided_choice": ["Paris", "Rome", "Madrid"]})
-            date = await sdk.completions.create(model=DEFAULT_MODEL, prompt="The date today is", max_tokens=20,
-                                                extra_body={"guided_regex": r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"})
-            streamed = await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=ask, max_tokens=10, stream=True,
-                                                         extra_body={"guided_grammar": 'root ::= "yes" | "no"'})
-            pieces = [chunk.choices[0].delta.content or "" async for chunk in streamed if chunk.choices]
-            with pytest.raises(openai.BadRequestError, match="at most one"):
-                await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=ask, max_tokens=5,
-                                                  response_format={"type": "json_object"},
-                                                  extra_body={"guided_regex": "a+"})
-            await sdk.close()
+            try:
+                yield sdk
+            finally:
+                await sdk.close()
+
+
+async def test_every_constraint_holds_through_the_gateway_with_the_openai_sdk(bus: Bus) -> None:
+    ask = [{"role": "user", "content": "Name a large European city, its country and its population."}]
+    async with openai_sdk(bus) as sdk:
+        parsed = await sdk.chat.completions.parse(model=DEFAULT_MODEL, messages=ask, response_format=City,
+                                                  temperature=0.0, max_tokens=120)
+        as_object = await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=ask, temperature=0.0,
+                                                      max_tokens=300, response_format={"type": "json_object"})
+        choice = await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=ask, max_tokens=20, temperature=1.0,
+                                                   extra_body={"guided_choice": ["Paris", "Rome", "Madrid"]})
+        date = await sdk.completions.create(model=DEFAULT_MODEL, prompt="The date today is", max_tokens=20,
+                                            extra_body={"guided_regex": r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"})
+        streamed = await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=ask, max_tokens=10, stream=True,
+                                                     extra_body={"guided_grammar": 'root ::= "yes" | "no"'})
+        pieces = [chunk.choices[0].delta.content or "" async for chunk in streamed if chunk.choices]
+        with pytest.raises(openai.BadRequestError, match="at most one"):
+            await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=ask, max_tokens=5,
+                                              response_format={"type": "json_object"},
+                                              extra_body={"guided_regex": "a+"})
     city = parsed.choices[0].message.parsed
     assert isinstance(city, City) and parsed.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(as_object.choices[0].message.content or ""), dict)
@@ -71,31 +85,26 @@ TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": 
 
 
 async def test_tool_calls_and_reasoning_come_back_in_openai_fields(bus: Bus) -> None:
-    specs = [(Stage.PROCESSOR, ProcessorStage({DEFAULT_MODEL: served_model(EngineKind.TORCH, DEFAULT_MODEL)})),
-             (Stage.DECODE, DecodeStage(TorchEngine(TorchEngineConfig(max_step_tokens=128)), DEFAULT_MODEL))]
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
-    async with running_workers(bus, specs, model=DEFAULT_MODEL):
-        async with serving(client_of(bus), GatewayOptions(host="127.0.0.1", port=0, reasoning_parser=True)) as port:
-            sdk = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-            named = await sdk.chat.completions.create(
-                model=DEFAULT_MODEL, messages=ask, tools=[WEATHER_TOOL, TIME_TOOL], max_tokens=80, temperature=0.0,
-                tool_choice={"type": "function", "function": {"name": "get_weather"}})
-            call = named.choices[0].message.tool_calls[0]
-            follow_up = ask + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                               {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18}'}]
-            answered = await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=follow_up, max_tokens=20,
-                                                         tools=[WEATHER_TOOL], temperature=0.0)
-            streamed = await sdk.chat.completions.create(
-                model=DEFAULT_MODEL, messages=ask, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required",
-                max_tokens=80, temperature=0.0, stream=True)
-            chunks = [chunk async for chunk in streamed]
-            thought = await sdk.chat.completions.create(
-                model=DEFAULT_MODEL, messages=ask, max_tokens=40, temperature=0.0,
-                extra_body={"guided_regex": "<think>[a-z ]{5,30}</think>\\n[A-Z][a-z ]{5,30}"})
-            with pytest.raises(openai.BadRequestError, match="not among"):
-                await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=ask, tools=[WEATHER_TOOL],
-                                                  tool_choice={"type": "function", "function": {"name": "nope"}})
-            await sdk.close()
+    async with openai_sdk(bus, reasoning_parser=True) as sdk:
+        named = await sdk.chat.completions.create(
+            model=DEFAULT_MODEL, messages=ask, tools=[WEATHER_TOOL, TIME_TOOL], max_tokens=80, temperature=0.0,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        call = named.choices[0].message.tool_calls[0]
+        follow_up = ask + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                           {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18}'}]
+        answered = await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=follow_up, max_tokens=20,
+                                                     tools=[WEATHER_TOOL], temperature=0.0)
+        streamed = await sdk.chat.completions.create(
+            model=DEFAULT_MODEL, messages=ask, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required",
+            max_tokens=80, temperature=0.0, stream=True)
+        chunks = [chunk async for chunk in streamed]
+        thought = await sdk.chat.completions.create(
+            model=DEFAULT_MODEL, messages=ask, max_tokens=40, temperature=0.0,
+            extra_body={"guided_regex": "<think>[a-z ]{5,30}</think>\\n[A-Z][a-z ]{5,30}"})
+        with pytest.raises(openai.BadRequestError, match="not among"):
+            await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=ask, tools=[WEATHER_TOOL],
+                                              tool_choice={"type": "function", "function": {"name": "nope"}})
     assert named.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     arguments = json.loads(call.function.arguments)
     assert set(arguments) == {"city", "unit"} and arguments["unit"] in {"celsius", "fahrenheit"}
@@ -110,21 +119,16 @@ async def test_tool_calls_and_reasoning_come_back_in_openai_fields(bus: Bus) -> 
 
 
 async def test_logprobs_come_back_in_openai_shape_for_chat_and_completions(bus: Bus) -> None:
-    specs = [(Stage.PROCESSOR, ProcessorStage({DEFAULT_MODEL: served_model(EngineKind.TORCH, DEFAULT_MODEL)})),
-             (Stage.DECODE, DecodeStage(TorchEngine(TorchEngineConfig(max_step_tokens=128)), DEFAULT_MODEL))]
     ask = [{"role": "user", "content": "What is the capital of France?"}]
-    async with running_workers(bus, specs, model=DEFAULT_MODEL):
-        async with serving(client_of(bus), GatewayOptions(host="127.0.0.1", port=0)) as port:
-            sdk = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-            whole = await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=ask, max_tokens=12, temperature=0.0,
-                                                      logprobs=True, top_logprobs=3)
-            streamed = await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=ask, max_tokens=12,
-                                                         temperature=0.0, logprobs=True, top_logprobs=3, stream=True)
-            streamed_entries = [entry async for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
-                                for entry in chunk.choices[0].logprobs.content or []]
-            completion = await sdk.completions.create(model=DEFAULT_MODEL, prompt="The capital of France is",
-                                                      max_tokens=8, temperature=0.0, logprobs=2)
-            await sdk.close()
+    async with openai_sdk(bus) as sdk:
+        whole = await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=ask, max_tokens=12, temperature=0.0,
+                                                  logprobs=True, top_logprobs=3)
+        streamed = await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=ask, max_tokens=12,
+                                                     temperature=0.0, logprobs=True, top_logprobs=3, stream=True)
+        streamed_entries = [entry async for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
+                            for entry in chunk.choices[0].logprobs.content or []]
+        completion = await sdk.completions.create(model=DEFAULT_MODEL, prompt="The capital of France is",
+                                                  max_tokens=8, temperature=0.0, logprobs=2)
     entries = whole.choices[0].logprobs.content
     assert "".join(entry.token for entry in entries) == whole.choices[0].message.content
     for entry in entries:  # greedy: each chosen token is the most likely one
@@ -138,23 +142,18 @@ async def test_logprobs_come_back_in_openai_shape_for_chat_and_completions(bus: 
 
 
 async def test_n_choices_stream_with_their_index_and_share_the_prompt_in_the_cache(bus: Bus) -> None:
-    engine = TorchEngine(TorchEngineConfig(max_step_tokens=256))
-    specs = [(Stage.PROCESSOR, ProcessorStage({DEFAULT_MODEL: served_model(EngineKind.TORCH, DEFAULT_MODEL)})),
-             (Stage.DECODE, DecodeStage(engine, DEFAULT_MODEL))]
     ask = [{"role": "user", "content": "Write one sentence about the sea, in a style of your choosing. " * 6}]
-    async with running_workers(bus, specs, model=DEFAULT_MODEL):
-        async with serving(client_of(bus), GatewayOptions(host="127.0.0.1", port=0)) as port:
-            sdk = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-            whole = await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=ask, n=3, max_tokens=16,
-                                                      temperature=1.0, seed=7)
-            again = await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=ask, n=3, max_tokens=16,
-                                                      temperature=1.0, seed=7)
-            streamed = await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=ask, n=2, max_tokens=8,
-                                                         temperature=1.0, stream=True)
-            chunks = [chunk async for chunk in streamed]
-            texts = await sdk.completions.create(model=DEFAULT_MODEL, prompt="Once upon a time", n=2, max_tokens=6,
-                                                 temperature=1.0, seed=1)
-            await sdk.close()
+    engine = TorchEngine(TorchEngineConfig(max_step_tokens=256))
+    async with openai_sdk(bus, engine) as sdk:
+        whole = await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=ask, n=3, max_tokens=16,
+                                                  temperature=1.0, seed=7)
+        again = await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=ask, n=3, max_tokens=16,
+                                                  temperature=1.0, seed=7)
+        streamed = await sdk.chat.completions.create(model=DEFAULT_MODEL, messages=ask, n=2, max_tokens=8,
+                                                     temperature=1.0, stream=True)
+        chunks = [chunk async for chunk in streamed]
+        texts = await sdk.completions.create(model=DEFAULT_MODEL, prompt="Once upon a time", n=2, max_tokens=6,
+                                             temperature=1.0, seed=1)
     assert [choice.index for choice in whole.choices] == [0, 1, 2]
     contents = [choice.message.content for choice in whole.choices]
     assert len(set(contents)) == 3 and contents == [choice.message.content for choice in again.choices]
