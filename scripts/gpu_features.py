@@ -19,6 +19,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,35 +38,54 @@ def post(base: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
         return json.loads(response.read())
 
 
-def checks(base: str, model: str) -> list[tuple[str, bool, str]]:
+def checks(base: str, model: str) -> Iterator[tuple[str, bool, str]]:
+    """Each feature's request and whether its answer holds; a request that fails is a failed check, not the end."""
     ask = [{"role": "user", "content": "Name a city."}]
     chat = {"model": model, "messages": ask, "max_tokens": 96, "temperature": 0.0}
-    results = []
-    answer = post(base, "/v1/chat/completions", chat | {"response_format": {
-        "type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}})
-    text = answer["choices"][0]["message"]["content"]
-    parsed = _json(text)
-    results.append(("json_schema", isinstance(parsed, dict) and set(parsed) == set(SCHEMA["properties"])
-                    and parsed.get("country") in ("France", "Italy"), text))
-    answer = post(base, "/v1/chat/completions", chat | {"guided_regex": "[0-9]{3}-[0-9]{4}"})
-    text = answer["choices"][0]["message"]["content"]
-    results.append(("guided_regex", re.fullmatch("[0-9]{3}-[0-9]{4}", text) is not None, text))
-    answer = post(base, "/v1/chat/completions", chat | {"guided_choice": ["yes", "no"]})
-    text = answer["choices"][0]["message"]["content"]
-    results.append(("guided_choice", text in ("yes", "no"), text))
-    answer = post(base, "/v1/chat/completions", chat | {"tools": [TOOL], "tool_choice": {
-        "type": "function", "function": {"name": "get_weather"}}})
-    calls = answer["choices"][0]["message"].get("tool_calls") or []
-    results.append(("tool_choice named", answer["choices"][0]["finish_reason"] == "tool_calls" and len(calls) == 1
-                    and isinstance(_json(calls[0]["function"]["arguments"]), dict), json.dumps(calls)[:200]))
-    answer = post(base, "/v1/chat/completions", chat | {"max_tokens": 8, "logprobs": True, "top_logprobs": 2})
-    entries = (answer["choices"][0].get("logprobs") or {}).get("content") or []
-    results.append(("logprobs", len(entries) == answer["usage"]["completion_tokens"] and all(
-        e["logprob"] <= 0 and len(e["top_logprobs"]) == 2 for e in entries), json.dumps(entries[:2])[:200]))
-    answer = post(base, "/v1/chat/completions", chat | {"n": 3, "max_tokens": 8, "temperature": 1.0})
-    results.append(("n=3", [c["index"] for c in answer["choices"]] == [0, 1, 2],
-                    json.dumps([c["message"]["content"] for c in answer["choices"]])[:200]))
-    return results
+
+    def json_schema() -> tuple[bool, str]:
+        text = post(base, "/v1/chat/completions", chat | {"response_format": {
+            "type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}})[
+            "choices"][0]["message"]["content"]
+        parsed = _json(text)
+        return (isinstance(parsed, dict) and set(parsed) == set(SCHEMA["properties"])
+                and parsed.get("country") in ("France", "Italy")), text
+
+    def regex() -> tuple[bool, str]:
+        text = post(base, "/v1/chat/completions", chat | {"guided_regex": "[0-9]{3}-[0-9]{4}"})[
+            "choices"][0]["message"]["content"]
+        return re.fullmatch("[0-9]{3}-[0-9]{4}", text) is not None, text
+
+    def choice() -> tuple[bool, str]:
+        text = post(base, "/v1/chat/completions", chat | {"guided_choice": ["yes", "no"]})["choices"][0]["message"][
+            "content"]
+        return text in ("yes", "no"), text
+
+    def tool_call() -> tuple[bool, str]:
+        answer = post(base, "/v1/chat/completions", chat | {"tools": [TOOL], "tool_choice": {
+            "type": "function", "function": {"name": "get_weather"}}})
+        calls = answer["choices"][0]["message"].get("tool_calls") or []
+        return (answer["choices"][0]["finish_reason"] == "tool_calls" and len(calls) == 1
+                and isinstance(_json(calls[0]["function"]["arguments"]), dict)), json.dumps(calls)[:200]
+
+    def logprobs() -> tuple[bool, str]:
+        answer = post(base, "/v1/chat/completions", chat | {"max_tokens": 8, "logprobs": True, "top_logprobs": 2})
+        entries = (answer["choices"][0].get("logprobs") or {}).get("content") or []
+        return (len(entries) == answer["usage"]["completion_tokens"] and all(
+            e["logprob"] <= 0 and len(e["top_logprobs"]) == 2 for e in entries)), json.dumps(entries[:2])[:200]
+
+    def n_choices() -> tuple[bool, str]:
+        answer = post(base, "/v1/chat/completions", chat | {"n": 3, "max_tokens": 8, "temperature": 1.0})
+        return ([c["index"] for c in answer["choices"]] == [0, 1, 2],
+                json.dumps([c["message"]["content"] for c in answer["choices"]])[:200])
+
+    for name, check in [("json_schema", json_schema), ("guided_regex", regex), ("guided_choice", choice),
+                        ("tool_choice named", tool_call), ("logprobs", logprobs), ("n=3", n_choices)]:
+        try:
+            ok, detail = check()
+        except Exception as error:  # an HTTP error or a malformed answer: recorded, and the next check runs
+            ok, detail = False, f"{type(error).__name__}: {error}"
+        yield name, ok, detail
 
 
 def _json(text: str) -> Any:

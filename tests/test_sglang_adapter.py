@@ -72,6 +72,9 @@ def test_logprobs_of_the_newest_tokens() -> None:
             "output_top_logprobs": [[[-0.1, 5, None]], [[-0.2, 6, None]], [[-0.3, 7, None], [-1.0, 8, None]]]}
     logprobs = logprobs_of(meta, 1)
     assert logprobs is not None and logprobs[0].token_id == 7 and [t.token_id for t in logprobs[0].top] == [7, 8]
+    # Engine.async_generate cannot ask SGLang for the tokens' text: the adapter's tokenizer supplies it.
+    named = logprobs_of(meta, 1, text_of=lambda token_id: f"t{token_id}")
+    assert named is not None and named[0].token == "t7" and [t.token for t in named[0].top] == ["t7", "t8"]
 
 
 def test_engine_arguments_turn_on_deltas_kv_events_and_disaggregation() -> None:

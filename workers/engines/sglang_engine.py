@@ -27,7 +27,7 @@ import json
 import random
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -207,8 +207,10 @@ def finish_of(meta_info: dict[str, Any]) -> tuple[FinishReason | None, str | int
     return FinishReason.STOP, None, None
 
 
-def logprobs_of(meta_info: dict[str, Any], num_new: int) -> list[TokenLogprob] | None:
-    """The last `num_new` entries of `output_token_logprobs` ([logprob, token_id, text?] each)."""
+def logprobs_of(meta_info: dict[str, Any], num_new: int,
+                text_of: Callable[[int], str] | None = None) -> list[TokenLogprob] | None:
+    """The last `num_new` entries of `output_token_logprobs` ([logprob, token_id, text?] each); `text_of` gives a
+    token's text where SGLang's entry has none (`Engine.async_generate` cannot ask for it)."""
     entries = meta_info.get("output_token_logprobs")
     if not entries or num_new == 0:
         return None
@@ -217,15 +219,18 @@ def logprobs_of(meta_info: dict[str, Any], num_new: int) -> list[TokenLogprob] |
     for index, entry in enumerate(entries[-num_new:]):
         top_entries = tops[-num_new:][index] if len(tops) >= num_new else []
         result.append(TokenLogprob(
-            token_id=int(entry[1]), logprob=float(entry[0]), token=_text_of(entry),
-            top=[TopLogprob(token_id=int(t[1]), logprob=float(t[0]), token=_text_of(t)) for t in (top_entries or [])],
+            token_id=int(entry[1]), logprob=float(entry[0]), token=_text_of(entry, text_of),
+            top=[TopLogprob(token_id=int(t[1]), logprob=float(t[0]), token=_text_of(t, text_of))
+                 for t in (top_entries or [])],
         ))
     return result
 
 
-def _text_of(entry: Any) -> str | None:
-    """The token text SGLang adds as the entry's third item (`return_text_in_logprobs`)."""
-    return entry[2] if len(entry) > 2 and isinstance(entry[2], str) else None
+def _text_of(entry: Any, text_of: Callable[[int], str] | None) -> str | None:
+    """The token text SGLang adds as the entry's third item (`return_text_in_logprobs`), else `text_of`'s."""
+    if len(entry) > 2 and isinstance(entry[2], str):
+        return str(entry[2])
+    return text_of(int(entry[1])) if text_of is not None else None
 
 
 _FIELD_NAMES = {"BlockStored": ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"],
@@ -407,8 +412,6 @@ class SGLangEngine:
             "rid": request.request_id,
             "return_logprob": request.output.logprobs,
         }
-        if request.output.logprobs:
-            kwargs["return_text_in_logprobs"] = True
         if request.output.logprobs and request.output.top_logprobs:
             kwargs["top_logprobs_num"] = request.output.top_logprobs
         kwargs.update(bootstrap_arguments(request, self.config.role))
@@ -432,7 +435,7 @@ class SGLangEngine:
                     prompt_tokens=prompt_tokens,
                     completion_tokens=int(meta.get("completion_tokens", 0)),
                     cached_tokens=cached_tokens_of(meta, prompt_tokens),
-                    logprobs=logprobs_of(meta, len(token_ids)),
+                    logprobs=logprobs_of(meta, len(token_ids), self._token_text),
                     matched_stop=matched,
                     error=error,
                 )
@@ -445,6 +448,9 @@ class SGLangEngine:
     async def abort(self, request_id: str) -> None:
         if self._engine is not None:
             self._engine.tokenizer_manager.abort_request(rid=request_id)
+
+    def _token_text(self, token_id: int) -> str:
+        return str(self._engine.tokenizer_manager.tokenizer.decode([token_id], skip_special_tokens=True))
 
     async def encode(self, inputs: list[list[int]]) -> list[list[float]]:
         """Vectors of token-id lists (an `is_embedding` engine). `Engine.async_encode` takes only text, so the
