@@ -48,7 +48,7 @@ def start_stack(args: argparse.Namespace, replicas: int, logs: Path) -> vs.Serve
     env = {"CONVEYOR_NATS_URLS": servers.nats_url, "CONVEYOR_NAMESPACE": servers.namespace,
            "CONVEYOR_MOCK_INTER_TOKEN_S": str(args.inter_token_ms / 1000)}
     worker = [sys.executable, "-m", "workers.cli", "worker", "--engine", "mock", "--model", "mock", "--log-level",
-              "WARNING", "--max-concurrency", str(args.streams_per_replica * 2)]
+              "WARNING", "--max-concurrency", str(args.worker_concurrency or args.streams_per_replica * 2)]
     for index in range(max(1, replicas // 2)):
         servers.spawn(f"processor-{index}", worker[:4] + ["processor"] + worker[4:], env)
     for index in range(replicas):
@@ -131,6 +131,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=256, help="Most new tokens per request.")
     parser.add_argument("--range-ratio", type=float, default=0.5)
     parser.add_argument("--prompts-per-stream", type=int, default=2, help="Requests per run = streams × this.")
+    parser.add_argument("--worker-concurrency", type=int, default=0,
+                        help="Tasks each worker holds at once (0: twice the streams per replica). The mock engine runs "
+                             "64 at most; a worker holding more keeps the rest waiting while other replicas have room.")
     parser.add_argument("--nats-port", type=int, default=4333)
     parser.add_argument("--start-timeout-s", type=float, default=120)
     parser.add_argument("--run-timeout-s", type=float, default=600)
