@@ -14,6 +14,7 @@ import msgpack
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
+from bus.client import PipelineClient
 from bus.errors import RemoteError, RequestIdInUse
 from bus.registry import live_workers, ready_models
 from schemas.client import ChatMessage, ImagePart, MediaUrl, StreamFormat
@@ -325,3 +326,26 @@ async def test_full_queues_answer_overloaded_at_once_never_drop_silently(bus: Bu
 async def _stream_full(bus: Bus, stage: Stage) -> bool:
     info = await bus.js.stream_info(bus.names.work_stream(stage))
     return info.state.messages >= 3
+
+
+async def test_a_worker_holds_no_more_tasks_than_its_engine_runs(bus: Bus) -> None:
+    # The engine runs 2 requests at once, the worker may hold 32: it takes 2, and the rest stay in the shared queue
+    # (where another replica could take them) instead of waiting inside this engine.
+    decode = mock_decode(max_running_requests=2, inter_token_s=0.01)
+    async with running_workers(bus, [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, decode)], max_concurrency=32):
+        client = client_of(bus)
+        answers = asyncio.gather(*(_answer(client, max_tokens=20) for _ in range(6)))
+        waiting = []
+        while not answers.done():
+            waiting.append(decode.engine.load().waiting_requests)
+            await asyncio.sleep(0.005)
+        finals = await answers
+    assert all(final.usage.completion_tokens == 20 for final in finals)
+    assert max(waiting) == 0 and len(decode.engine.seen) == 6
+
+
+async def _answer(client: PipelineClient, max_tokens: int) -> FinalFrame:
+    async with await client.submit(chat(client, "tell me", max_tokens=max_tokens)) as stream:
+        _, final = await stream.collect()
+    assert isinstance(final, FinalFrame)
+    return final

@@ -67,7 +67,8 @@ class MockEngine:
         self._released: set[MemoryTag] = set()
         # No KV moves between mock engines: every one runs its prompts itself.
         self._info = EngineInfo(name="mock", model=config.model, context_length=config.context_length,
-                                eos_token_ids=(EOS_TOKEN_ID,), prefills_in_decode_role=True)
+                                eos_token_ids=(EOS_TOKEN_ID,), prefills_in_decode_role=True,
+                                max_running_requests=config.max_running_requests)
 
     @property
     def info(self) -> EngineInfo:

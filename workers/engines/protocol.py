@@ -131,6 +131,9 @@ class EngineInfo:
     # A decode-role engine that can also run a prompt itself (no KV handoff): how a disaggregated
     # request migrates to it mid-stream.
     prefills_in_decode_role: bool = False
+    # Requests it runs at once, where it has such a limit: its worker holds no more tasks than this, so a task
+    # never waits inside one replica while another has room.
+    max_running_requests: int | None = None
 
 
 @runtime_checkable

@@ -180,6 +180,7 @@ class TorchEngine:
             role=self.config.role,
             eos_token_ids=self.model_config.eos_token_ids,
             prefills_in_decode_role=True,
+            max_running_requests=self.config.max_running_requests,
         )
         log.info("engine.loaded", model=str(self._model_dir), device=str(self.device), dtype=str(self.dtype),
                  kv_blocks=num_blocks, block_size=self.config.block_size)
