@@ -243,8 +243,9 @@ def worker(
     http_port: Annotated[int, typer.Option(help="Port of /metrics, /live, /ready and /engine/* (0: any free port).")] = 0,
     http_host: Annotated[str, typer.Option(help="Address the HTTP port listens on.")] = "0.0.0.0",
     max_concurrency: Annotated[int | None, typer.Option(min=1, help=(
-        "Tasks this worker holds at once (default 32; 4 for encode, whose work is CPU/GPU-bound: a worker "
-        "holding more only queues them itself while other replicas idle)."))] = None,
+        "Tasks this worker holds at once (default 32; 4 for encode, 1 for image, whose work is CPU/GPU-bound: a "
+        "worker holding more only queues them itself while other replicas idle). Never more than the engine runs "
+        "at once (torch, mock: their max running requests)."))] = None,
     shutdown_grace_s: Annotated[float, typer.Option(help="On SIGTERM, how long in-flight work may finish before it is handed back.")] = 30.0,
     load_format: Annotated[str, typer.Option(help="auto, or dummy (random weights; for benchmarks).")] = "auto",
     coalesce_ms: Annotated[float, typer.Option(min=0.0, help="Merge a stream's tokens arriving within this window into one frame (fewer messages at high token rates).")] = 0.0,
