@@ -62,7 +62,7 @@ async def test_each_step_keeps_the_most_confident_predictions_and_the_rest_stay_
 
     prompt = engine.tokenizer.encode("hello")
     tokens = torch.tensor([*prompt, *([engine.mask_token_id] * 8)])
-    state = _Denoising(tokens=tokens, num_prompt_tokens=len(prompt), generator=None, temperature=0.0)
+    state = _Denoising(tokens=tokens, generator=None, temperature=0.0)
     filled_per_step = []
     for steps_left in range(4, 0, -1):
         masked_before = int((state.tokens == engine.mask_token_id).sum())
@@ -120,3 +120,14 @@ async def test_conveyor_ask_answers_from_a_diffusion_lm_in_worker_processes(bus:
                                          "--max-tokens", "40")
     assert done.returncode == 0, done.stderr.decode()
     assert done.stdout.decode().strip()  # the streamed answer: words from the model's vocabulary
+
+
+async def test_a_confidence_threshold_still_finishes_each_block_within_its_steps() -> None:
+    # 32 tokens per block in 4 steps: the predictions above the threshold are too few at random weights, so each
+    # step keeps at least the share (8) that fills the block in time, and the answer is never cut short.
+    engine = DiffusionLMEngine(resolve_model(SEEDED_DLLM), SEEDED_DLLM,
+                               DiffusionSettings(block_length=32, steps_per_block=4, threshold=0.9))
+    await engine.start()
+    outputs = await run(engine, "threshold", stop=StopConditions(max_tokens=64, ignore_eos=True))
+    assert outputs[-1].finish_reason == FinishReason.LENGTH and len(answer(outputs)) == 64
+    assert engine.mask_token_id not in answer(outputs)

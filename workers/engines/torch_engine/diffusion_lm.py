@@ -6,7 +6,7 @@ semi-autoregressively): the answer starts as `max_tokens` mask tokens after the 
 block by block (`block_length` tokens); within a block, each denoising step predicts every masked
 position of the block at once and keeps the most confident predictions — `ceil(masked / steps left)`
 of them, or, with `threshold` (Fast-dLLM's parallel decoding, SGLang's `LowConfidence` algorithm),
-every prediction at least that confident (one at the least) — the rest stay masked for the next step.
+every prediction at least that confident (and never fewer than that share) — the rest stay masked for the next step.
 A finished block is final: its tokens stream to the client as one delta, so a client sees ordinary
 token chunks, a block at a time. The first EOS ends the answer (LLaDA pads with EOS); stop strings and
 stop tokens end it as in the autoregressive engines. Cancel and abort take effect between steps.
@@ -65,7 +65,7 @@ class DiffusionSettings(BaseSettings):
     block_length: int = Field(default=32, ge=1)
     # Denoising steps per block (block_length ÷ steps tokens are kept per step, without a threshold).
     steps_per_block: int = Field(default=32, ge=1)
-    # Keep every prediction at least this confident each step (one at the least); None: a fixed share.
+    # Keep every prediction at least this confident each step (never fewer than the fixed share); None: the share.
     threshold: float | None = Field(default=None, gt=0.0, le=1.0)
     max_new_tokens: int = Field(default=256, ge=1)
 
@@ -109,7 +109,6 @@ class _Denoising:
     """One request's sequence: the prompt, then the answer being unmasked."""
 
     tokens: torch.Tensor  # [prompt + answer]
-    num_prompt_tokens: int
     generator: torch.Generator | None
     temperature: float
 
@@ -182,13 +181,11 @@ class DiffusionLMEngine:
                 stop_at = _first_end(block, ends, min_index=request.stop.min_tokens - len(answer))
                 block = block if stop_at is None else block[: stop_at + 1]
                 answer += block
-                text = detokenizer.add(block)
+                yield GenerateOutput(token_ids=block, text=detokenizer.add(block))
                 if detokenizer.matched_stop is not None or stop_at is not None:
                     matched = detokenizer.matched_stop if detokenizer.matched_stop is not None else block[-1]
-                    yield GenerateOutput(token_ids=block, text=text)
                     yield self._final(FinishReason.STOP, request, answer, matched)
                     return
-                yield GenerateOutput(token_ids=block, text=text)
             yield GenerateOutput(token_ids=[], text=detokenizer.flush())
             yield self._final(FinishReason.LENGTH, request, answer)
         finally:
@@ -228,11 +225,9 @@ class DiffusionLMEngine:
             predicted = probabilities.argmax(dim=-1)
         confidence = probabilities.gather(1, predicted[:, None]).flatten()
         if self._settings.threshold is not None:
-            keep = torch.nonzero(confidence >= self._settings.threshold).flatten()
-            if keep.numel() == 0:
-                keep = confidence.argmax().reshape(1)
-        else:
-            keep = confidence.topk(min(num_to_keep, len(positions))).indices
+            # Every prediction above the threshold, and never fewer than the share that finishes the block in time.
+            num_to_keep = max(num_to_keep, int((confidence >= self._settings.threshold).sum()))
+        keep = confidence.topk(min(num_to_keep, len(positions))).indices
         state.tokens[positions[keep]] = predicted[keep]
 
     def _scratch_cache(self, num_tokens: int) -> torch.Tensor:
@@ -243,7 +238,7 @@ class DiffusionLMEngine:
     def _new_state(self, request: GenerateRequest, num_new: int) -> _Denoising:
         tokens = torch.tensor([*request.token_ids, *([self.mask_token_id] * num_new)], dtype=torch.long)
         seed = request.sampling.seed
-        return _Denoising(tokens=tokens, num_prompt_tokens=len(request.token_ids),
+        return _Denoising(tokens=tokens,
                           generator=torch.Generator().manual_seed(seed) if seed is not None else None,
                           temperature=request.sampling.temperature or 0.0)
 
