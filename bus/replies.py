@@ -489,7 +489,7 @@ class ReplyStream:
             if isinstance(frame, ErrorFrame):
                 self._error = frame
                 raise RemoteError(frame)
-            if isinstance(frame, FinalFrame | EmbeddingResult | ImageResult):
+            if isinstance(frame, _TERMINAL_FRAMES):
                 self.terminal = frame
             elif not isinstance(frame, Heartbeat):
                 yield frame

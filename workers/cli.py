@@ -474,14 +474,16 @@ def image_command(
 
     configure_logging(log_level)
     nats_settings, bus_settings = load_settings(nats, namespace)
-    request = ImageRequest(request_id=f"img-{uuid.uuid4().hex[:16]}", reply_to="_INBOX.unset", model=model,
-                           prompt=prompt, negative_prompt=negative_prompt, n=num_images, size=size, seed=seed,
-                           num_inference_steps=steps, guidance_scale=guidance)
+
+    def request_for(inbox: str) -> ImageRequest:
+        return ImageRequest(request_id=f"img-{uuid.uuid4().hex[:16]}", reply_to=inbox, model=model, prompt=prompt,
+                            negative_prompt=negative_prompt, n=num_images, size=size, seed=seed,
+                            num_inference_steps=steps, guidance_scale=guidance)
 
     def on_progress(step: int, num_steps: int) -> None:
         typer.echo(f"\r[conveyor] step {step}/{num_steps}", err=True, nl=step == num_steps)
 
-    pngs, result = _run_client(generate_images(nats_settings, bus_settings, request, on_progress, timeout_s))
+    pngs, result = _run_client(generate_images(nats_settings, bus_settings, model, request_for, on_progress, timeout_s))
     paths = [out] if len(pngs) == 1 else [out.with_name(f"{out.stem}-{index}{out.suffix}") for index in range(len(pngs))]
     for path, png in zip(paths, pngs, strict=True):
         path.write_bytes(png)

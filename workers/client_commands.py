@@ -90,13 +90,13 @@ async def embed(nats: NatsSettings, bus: BusSettings, model: str, texts: list[st
     return result
 
 
-async def generate_images(nats: NatsSettings, bus: BusSettings, request: ImageRequest,
+async def generate_images(nats: NatsSettings, bus: BusSettings, model: str, request_for: Callable[[str], ImageRequest],
                           on_progress: Callable[[int, int], None], timeout_s: float) -> tuple[list[bytes], ImageResult]:
-    """Images through the pipeline (processor → image worker), PNG bytes in the reply frames."""
+    """Images through the pipeline (processor → image worker); `request_for(inbox)` is the request (PNG bytes in
+    the reply frames: `b64_json`)."""
     async with open_client(nats, bus, "conveyor-image") as client:
-        await ensure_model_ready(client, bus, request.model)
-        request = request.model_copy(update={"reply_to": client.new_inbox(), "response_format": "b64_json"})
-        async with await client.submit(request, first_frame_timeout_s=timeout_s) as stream:
+        await ensure_model_ready(client, bus, model)
+        async with await client.submit(request_for(client.new_inbox()), first_frame_timeout_s=timeout_s) as stream:
             images, result = await stream.collect_images(on_progress)
     if not isinstance(result, ImageResult):
         raise RuntimeError(f"the image request ended without images ({result.finish_reason.value})")

@@ -300,14 +300,11 @@ class Gateway:
 
     async def _stream(self, http: web.Request, stream: ReplyStream, shape: _Shape, include_usage: bool) -> web.StreamResponse:
         chunks = stream.__aiter__()
-        try:
-            first = await chunks.__anext__()  # errors before the first token still get a status code
-        except StopAsyncIteration:
-            first = None
-        except RemoteError as error:
-            raise OpenAIError.of_remote(error) from None
-        except (ReplyStreamBroken, ReplyGap) as error:
-            raise OpenAIError(504, str(error), "server_error", "timeout") from None
+        async with _as_http_errors():  # errors before the first token still get a status code
+            try:
+                first: TokenChunk | None = await chunks.__anext__()
+            except StopAsyncIteration:
+                first = None
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "x-request-id": shape.request_id})
         await response.prepare(http)
@@ -355,8 +352,8 @@ class _Shape:
     def __init__(self, request_id: str, model: str, chat: bool, parser: OutputParser | None = None) -> None:
         self.request_id, self.model, self.chat, self.parser = request_id, model, chat, parser
         self.created = int(time.time())
-        # Completions' logprobs count characters from the start of the answer.
-        self._text_offset = 0
+        # Completions' logprobs count characters from the start of each choice's answer.
+        self._text_offsets: dict[int, int] = {}
         # Choices seen in the stream (n > 1), each ended with its own finish event.
         self._indexes: set[int] = set()
 
@@ -373,18 +370,18 @@ class _Shape:
                      "choices": [{"index": chunk.index, "text": chunk.text or "", "finish_reason": None,
                                   "logprobs": None}]}
         if event is not None and chunk.logprobs:
-            event["choices"][0]["logprobs"] = self._logprobs(chunk.logprobs)
+            event["choices"][0]["logprobs"] = self._logprobs(chunk.logprobs, chunk.index)
         return event
 
-    def _logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any]:
+    def _logprobs(self, entries: list[TokenLogprob], index: int) -> dict[str, Any]:
         """OpenAI's logprobs object: chat's `content` list, or completions' parallel lists with text offsets."""
         if self.chat:
             return {"content": [_chat_logprob(entry) for entry in entries]}
         tokens = [entry.token or "" for entry in entries]
         offsets = []
         for token in tokens:
-            offsets.append(self._text_offset)
-            self._text_offset += len(token)
+            offsets.append(self._text_offsets.get(index, 0))
+            self._text_offsets[index] = offsets[-1] + len(token)
         return {"tokens": tokens, "token_logprobs": [entry.logprob for entry in entries],
                 "top_logprobs": [{top.token or "": top.logprob for top in entry.top} for entry in entries],
                 "text_offset": offsets}
@@ -433,8 +430,7 @@ class _Shape:
     def _whole_choice(self, index: int, chunks: list[TokenChunk], final: FinalFrame) -> dict[str, Any]:
         text = "".join(chunk.text or "" for chunk in chunks)
         entries = [entry for chunk in chunks for entry in chunk.logprobs or []]
-        self._text_offset = 0
-        shaped = self._logprobs(entries) if entries else None
+        shaped = self._logprobs(entries, index) if entries else None
         # Each choice's own reason where the worker sent one (its OpenAI finish chunk), else the request's.
         own = next((c.openai.choices[0].finish_reason for c in reversed(chunks)
                     if c.openai is not None and c.openai.choices and c.openai.choices[0].finish_reason), None)
@@ -443,7 +439,6 @@ class _Shape:
             reason = self._reason(final) if own is None or self.parser is not None else _openai_reason_of(own)
             return {"index": index, "message": message, "finish_reason": reason, "logprobs": shaped}
         return {"index": index, "text": text, "finish_reason": _openai_reason(final), "logprobs": shaped}
-
 
     def _message(self, text: str) -> dict[str, Any]:
         if self.parser is None:

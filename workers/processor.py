@@ -440,15 +440,14 @@ def _embedding_inputs(raw: str | list[str] | list[int] | list[list[int]], model:
 
 def _guided(request: GenerationRequest) -> GuidedDecoding | None:
     """The request's one output constraint; two at once (e.g. a JSON schema and a regex) is invalid."""
-    constraints = [GuidedDecoding(regex=request.guided_regex) if request.guided_regex is not None else None,
-                   GuidedDecoding(choice=request.guided_choice) if request.guided_choice is not None else None,
-                   GuidedDecoding(grammar=request.guided_grammar) if request.guided_grammar is not None else None,
-                   _json_constraint(request.response_format),
-                   _tool_call_constraint(request) if isinstance(request, ChatRequest) else None]
+    extensions = {"regex": request.guided_regex, "choice": request.guided_choice, "grammar": request.guided_grammar}
+    constraints = [GuidedDecoding(**{kind: value}) for kind, value in extensions.items() if value is not None]
+    constraints += [_json_constraint(request.response_format),
+                    _tool_call_constraint(request) if isinstance(request, ChatRequest) else None]
     given = [constraint for constraint in constraints if constraint is not None]
     if len(given) > 1:
         raise RejectRequest(ErrorCode.INVALID_REQUEST, "give at most one of response_format (json), guided_regex, "
-                            "guided_choice and guided_grammar")
+                            "guided_choice, guided_grammar and a required or named tool_choice")
     return given[0] if given else None
 
 
