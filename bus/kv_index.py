@@ -68,8 +68,10 @@ class KvIndex:
                 if not holders:
                     del self._holders[block]
 
-    def cached_blocks(self, token_ids: list[int], worker_ids: list[str]) -> dict[str, int]:
-        """For each worker, how many of the prompt's leading blocks it holds (a prefix: the first miss ends it)."""
+    def cached_blocks(self, token_ids: list[int], worker_ids: list[str],
+                      lora_name: str | None = None) -> dict[str, int]:
+        """For each worker, how many of the prompt's leading blocks it holds (a prefix: the first miss ends it),
+        as run with the adapter `lora_name` (None: the base model)."""
         overlaps = dict.fromkeys(worker_ids, 0)
         by_block_size: dict[int, list[str]] = {}
         for worker_id in worker_ids:
@@ -78,7 +80,7 @@ class KvIndex:
                 by_block_size.setdefault(worker.block_size, []).append(worker_id)
         for block_size, candidates in by_block_size.items():
             active = set(candidates)
-            for depth, block in enumerate(chain_hashes(token_ids, block_size), start=1):
+            for depth, block in enumerate(chain_hashes(token_ids, block_size, lora_name), start=1):
                 active &= self._holders.get(block, set())
                 if not active:
                     break

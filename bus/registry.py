@@ -87,7 +87,7 @@ class Registration:
                 log.warning("registry.refresh_failed", error=repr(error))
 
 
-async def _live_keys(bucket: KeyValue) -> list[str]:
+async def live_keys(bucket: KeyValue) -> list[str]:
     """The bucket's keys, from the stream leader's own list of subjects.
 
     Not `bucket.keys()`: nats-py builds that from an ordered consumer and stops at the first message
@@ -102,7 +102,7 @@ async def _live_keys(bucket: KeyValue) -> list[str]:
 
 
 async def live_workers(bucket: KeyValue) -> list[WorkerCard]:
-    keys = await _live_keys(bucket)
+    keys = await live_keys(bucket)
     cards = []
     for key in keys:
         try:
@@ -117,12 +117,24 @@ async def live_workers(bucket: KeyValue) -> list[WorkerCard]:
     return sorted(cards, key=lambda card: (card.model, card.stage.value, card.worker_id))
 
 
+def served_adapters(cards: list[WorkerCard]) -> dict[str, str]:
+    """LoRA adapter -> its base model, for each adapter a ready worker has loaded."""
+    return {name: card.model for card in cards if card.ready for name in card.lora_adapters}
+
+
 def ready_models(cards: list[WorkerCard]) -> dict[str, ServingMode]:
-    """Models for which every stage of their mode has at least one ready worker.
+    """Models for which every stage of their mode has at least one ready worker, and the LoRA adapters loaded on
+    a ready worker of such a model (with the model's mode: a request may name an adapter as its model).
 
     A processor routes every mode, so its card counts for all of them whatever mode it was started in;
     image requests need no model in the processor, so any processor counts for an image model.
     """
+    models = _ready_base_models(cards)
+    adapters = {name: models[base] for name, base in served_adapters(cards).items() if base in models}
+    return {**adapters, **models}
+
+
+def _ready_base_models(cards: list[WorkerCard]) -> dict[str, ServingMode]:
     ready = [card for card in cards if card.ready]
     processors = {card.model for card in ready if card.stage == Stage.PROCESSOR}
     ready_stages: dict[tuple[str, ServingMode], set[Stage]] = {}

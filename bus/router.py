@@ -172,19 +172,25 @@ class Router:
             except Exception as error:  # NATS away: the next interval tries again
                 log.warning("router.snapshot_failed", error=repr(error))
 
-    def route(self, stage: Stage, model: str, token_ids: list[int], cards: list[WorkerCard]) -> Route | None:
-        """The replica to pin this prompt to; None: the shared queue."""
+    def route(self, stage: Stage, model: str, token_ids: list[int], cards: list[WorkerCard],
+              lora_name: str | None = None) -> Route | None:
+        """The replica to pin this prompt (run with the adapter `lora_name`, if any) to; None: the shared queue.
+        A prompt naming an adapter that only some replicas have loaded is pinned to one of those in any mode."""
         workers = sorted((c for c in cards if c.stage == stage and c.model == model and c.ready),
                          key=lambda c: c.worker_id)
-        if self.options.mode == RouterMode.QUEUE or not workers:
+        holders = [c for c in workers if lora_name in c.lora_adapters]
+        must_pin = lora_name is not None and 0 < len(holders) < len(workers)
+        if must_pin:
+            workers = holders
+        if (self.options.mode == RouterMode.QUEUE and not must_pin) or not workers:
             ROUTER_DECISIONS.labels(mode=self.options.mode.value, outcome="shared").inc()
             return None
-        if self.options.mode == RouterMode.ROUND_ROBIN:
+        if self.options.mode in (RouterMode.ROUND_ROBIN, RouterMode.QUEUE):
             chosen, cached_blocks, block_size = workers[next(self._turn) % len(workers)], 0, 1
         elif self.options.mode == RouterMode.RANDOM:
             chosen, cached_blocks, block_size = self._rng.choice(workers), 0, 1
         else:
-            chosen, cached_blocks, block_size = self._by_kv(workers, token_ids)
+            chosen, cached_blocks, block_size = self._by_kv(workers, token_ids, lora_name)
         self._pinned_to.add((stage, model, chosen.worker_id))
         self._note_sent(chosen.worker_id, len(token_ids) // block_size - cached_blocks)
         predicted = cached_blocks * block_size
@@ -220,8 +226,9 @@ class Router:
             task.add_done_callback(self._unpinning.discard)
         KV_INDEX_BLOCKS.set(self.index.num_blocks)
 
-    def _by_kv(self, workers: list[WorkerCard], token_ids: list[int]) -> tuple[WorkerCard, int, int]:
-        cached = self.index.cached_blocks(token_ids, [w.worker_id for w in workers])
+    def _by_kv(self, workers: list[WorkerCard], token_ids: list[int],
+               lora_name: str | None) -> tuple[WorkerCard, int, int]:
+        cached = self.index.cached_blocks(token_ids, [w.worker_id for w in workers], lora_name)
         block_size = self._block_size(workers)
         candidates = [Candidate(w.worker_id, cached[w.worker_id], self._load_blocks(w)) for w in workers]
         best = choose(candidates, len(token_ids) // block_size, self.options.overlap_weight, self.options.temperature,

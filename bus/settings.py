@@ -99,6 +99,8 @@ class BusSettings(BaseSettings):
     cancel_ttl_s: float = Field(default=600.0, gt=0)
     # A worker whose card is not refreshed within this is gone from the registry.
     registry_ttl_s: float = Field(default=10.0, ge=1.0)
+    # A session no request used for this long is closed (its worker forgets it, the processors forget where it was).
+    session_idle_s: float = Field(default=600.0, ge=1.0)
     # A dead worker's pinned consumer is deleted by the server after this long unused (its tasks are moved
     # back to the shared queue long before, once its registry card expires).
     pinned_consumer_idle_s: float = Field(default=3600.0, gt=0)

@@ -5,7 +5,8 @@
 - `{NS}_CONTROL`: cancels, kept for the cancel TTL so a worker that starts late still learns them;
 - `{NS}_KV_EVENTS`: KV-cache events, limits retention with a max age (a router replays from it);
 - `{NS}_PROGRESS`: reply journals (bus/journal.py), in memory, so a replica can take a request over;
-- `{ns}_workers`: the registry bucket, whose TTL expires the cards of workers that stopped.
+- `{ns}_workers`: the registry bucket, whose TTL expires the cards of workers that stopped;
+- `{ns}_loras`: the LoRA adapters served (bus/adapters.py); `{ns}_sessions`: where sessions are (bus/sessions.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from nats.js.errors import APIError, BadRequestError, NotFoundError
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 from nats.js.kv import KeyValue
 
+from bus.adapters import ensure_lora_bucket
+from bus.sessions import ensure_session_bucket
 from bus.settings import BusSettings
 from bus.subjects import Names
 from schemas.registry import Stage
@@ -135,13 +138,15 @@ async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
 
 
 async def declare_all(js: JetStreamContext, names: Names, settings: BusSettings, max_payload: int) -> KeyValue:
-    """Declare every stream and the registry bucket; returns the bucket."""
+    """Declare every stream and the buckets (registry, LoRA adapters, sessions); returns the registry bucket."""
     for stage in Stage:
         await ensure_stream(js, work_stream_config(names, stage, settings, max_payload))
     await ensure_stream(js, control_stream_config(names, settings))
     await ensure_stream(js, kv_events_stream_config(names, settings, max_payload))
     await ensure_stream(js, dead_letter_stream_config(names, settings, max_payload))
     await ensure_stream(js, progress_stream_config(names, settings, max_payload))
+    await ensure_lora_bucket(js, names, settings)
+    await ensure_session_bucket(js, names, settings)
     return await ensure_registry_bucket(js, names, settings)
 
 

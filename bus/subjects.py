@@ -131,8 +131,26 @@ class Names:
         return f"KV_{self.registry_bucket}"
 
     @property
+    def lora_bucket(self) -> str:
+        """The LoRA adapters the deployment serves, by name (made by the first worker or client that needs it)."""
+        return f"{self.namespace}_loras"
+
+    @property
+    def lora_stream(self) -> str:
+        return f"KV_{self.lora_bucket}"
+
+    @property
+    def session_bucket(self) -> str:
+        """Which worker holds each open session (written by the processor that opened it)."""
+        return f"{self.namespace}_sessions"
+
+    @property
+    def session_stream(self) -> str:
+        return f"KV_{self.session_bucket}"
+
+    @property
     def all_streams(self) -> list[str]:
         """Every stream this namespace declares."""
         work = [self.work_stream(stage) for stage in Stage]
         return [*work, self.control_stream, self.kv_events_stream, self.dead_letter_stream, self.progress_stream,
-                self.registry_stream]
+                self.registry_stream, self.lora_stream, self.session_stream]

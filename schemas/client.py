@@ -120,6 +120,9 @@ class ResponseFormat(WireModel):
     json_schema: dict[str, Any] | None = None
 
 
+SessionId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")]
+
+
 class GenerationRequest(WireModel):
     """Fields shared by chat and completion requests, with OpenAI's names and ranges."""
 
@@ -151,6 +154,11 @@ class GenerationRequest(WireModel):
     guided_grammar: str | None = None
     # Higher runs sooner where the engine supports priorities.
     priority: int | None = None
+    # A session keeps the conversation on one LLM worker: this request's prompt is appended to what the session
+    # holds (earlier prompts and answers), whose KV stays cached there. A new id opens a session; `close_session`
+    # ends it after this request. Aggregated serving, one request at a time per session.
+    session_id: SessionId | None = None
+    close_session: bool = False
 
 
 class ChatRequest(GenerationRequest):

@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import BaseModel, TypeAdapter
 
 from schemas.client import CLIENT_REQUEST, ChatRequest, CompletionRequest, EmbeddingRequest, ImageRequest
-from schemas.control import Cancel
+from schemas.control import Cancel, LoraAdapter
 from schemas.kv_events import KvEventBatch
 from schemas.registry import WorkerCard
 from schemas.replies import (
@@ -27,7 +27,7 @@ MESSAGES: tuple[type[BaseModel], ...] = (
     ChatRequest, CompletionRequest, EmbeddingRequest, ImageRequest,
     EncodeTask, PrefillTask, DecodeTask, EmbedTask, ImageTask,
     TokenChunk, Heartbeat, FinalFrame, ErrorFrame, EmbeddingResult, ImageProgress, ImageData, ImageResult,
-    Cancel, KvEventBatch, WorkerCard,
+    Cancel, LoraAdapter, KvEventBatch, WorkerCard,
 )
 UNIONS: dict[str, TypeAdapter[Any]] = {"ClientRequest": CLIENT_REQUEST, "ReplyFrame": REPLY_FRAME}
 

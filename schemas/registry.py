@@ -60,6 +60,10 @@ class WorkerCard(WireModel):
     accepts_media: bool = False
     # A decode worker whose engine can also run a prompt itself, so a router may skip the prefill stage for it.
     prefills_locally: bool = False
+    # LoRA adapters its engine has loaded (requests may name them as their model), and those it could not load,
+    # with the reason.
+    lora_adapters: list[str] = Field(default_factory=list)
+    lora_failures: dict[str, str] = Field(default_factory=dict)
     wire_version: int
 
 

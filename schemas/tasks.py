@@ -12,13 +12,25 @@ from typing import Literal
 from pydantic import Field
 
 from schemas.base import WireModel
-from schemas.client import Inbox, MediaUrl, RequestId, StreamFormat
+from schemas.client import Inbox, MediaUrl, RequestId, SessionId, StreamFormat
+from schemas.control import LoraName
 from schemas.sampling import GuidedDecoding, OutputOptions, SamplingOptions, StopConditions
 
 
 class MediaItem(WireModel):
     modality: Literal["image", "video"]
     source: MediaUrl
+
+
+class SessionRef(WireModel):
+    """A request's place in a session (the processor pinned it to the worker holding the session)."""
+
+    id: SessionId
+    # The first request of the session: the engine opens it. Otherwise an engine without the session (its worker
+    # restarted) refuses the request rather than answer without the conversation.
+    opens: bool = False
+    # The last request: the engine closes the session once it finishes.
+    closes: bool = False
 
 
 class PreprocessedRequest(WireModel):
@@ -34,6 +46,9 @@ class PreprocessedRequest(WireModel):
     eos_token_ids: list[int] = Field(default_factory=list)
     media: list[MediaItem] = Field(default_factory=list)
     priority: int | None = None
+    # The LoRA adapter to run the model with (the client's `model` named it); None: the base model.
+    lora_name: LoraName | None = None
+    session: SessionRef | None = None
 
 
 class TaskHeader(WireModel):

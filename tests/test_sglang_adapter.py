@@ -9,11 +9,12 @@ import socket
 
 import msgpack
 import pytest
+from pydantic import ValidationError
 
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from schemas.replies import FinishReason
 from schemas.sampling import GuidedDecoding, SamplingOptions, StopConditions
-from workers.engines.protocol import DisaggregationRole, Engine, GenerateRequest
+from workers.engines.protocol import DisaggregationRole, Engine, GenerateRequest, UnsupportedOption
 from workers.engines.sglang_engine import (
     KvEventRelay,
     SGLangEngine,
@@ -196,3 +197,29 @@ def test_every_guided_constraint_maps_onto_sglang_sampling_params() -> None:
     assert params(GuidedDecoding(regex="a+"))["regex"] == "a+"
     assert params(GuidedDecoding(choice=["yes", "no (never)"]))["regex"] == r"(yes)|(no \(never\))"
     assert params(GuidedDecoding(grammar='root ::= "x"'))["ebnf"] == 'root ::= "x"'
+
+
+def test_lora_and_expert_settings_reach_sglang_and_bad_ones_are_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CONVEYOR_SGLANG_ENABLE_LORA", "true")
+    monkeypatch.setenv("CONVEYOR_SGLANG_LORA_TARGET_MODULES", '["q_proj", "v_proj"]')
+    monkeypatch.setenv("CONVEYOR_SGLANG_ENABLE_EPLB", "true")
+    monkeypatch.setenv("CONVEYOR_SGLANG_EXPERT_DISTRIBUTION_RECORDER_MODE", "per_pass")
+    args = server_args(SGLangEngineConfig(model_path="/models/moe"), kv_events_port=1, bootstrap_port=2)
+    assert {key: args[key] for key in ("enable_lora", "lora_target_modules", "max_lora_rank", "enable_eplb",
+                                       "expert_distribution_recorder_mode")} == {
+        "enable_lora": True, "lora_target_modules": ["q_proj", "v_proj"], "max_lora_rank": 64, "enable_eplb": True,
+        "expert_distribution_recorder_mode": "per_pass"}
+    plain = server_args(SGLangEngineConfig(model_path="/models/x", enable_lora=False, enable_eplb=False,
+                                           expert_distribution_recorder_mode=None), 1, 2)
+    assert not {"enable_lora", "enable_eplb", "expert_distribution_recorder_mode"} & plain.keys()
+    monkeypatch.setenv("CONVEYOR_SGLANG_EXPERT_DISTRIBUTION_RECORDER_MODE", "sometimes")
+    with pytest.raises(ValidationError, match="expert_distribution_recorder_mode"):
+        SGLangEngineConfig(model_path="/models/moe")
+
+
+async def test_lora_on_an_sglang_engine_started_without_it_is_refused_with_the_setting_to_change() -> None:
+    engine = SGLangEngine(SGLangEngineConfig(model_path="/models/x", enable_lora=False))
+    with pytest.raises(UnsupportedOption, match="CONVEYOR_SGLANG_ENABLE_LORA"):
+        await engine.load_lora("a", "/adapters/a")
+    with pytest.raises(UnsupportedOption, match="not loaded"):
+        await anext(engine.generate(GenerateRequest("r", [1, 2], lora_name="a")))

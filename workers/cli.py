@@ -533,6 +533,9 @@ def gateway(
     reasoning_parser: Annotated[bool, typer.Option("--reasoning-parser", help=(
         "Reasoning models (DeepSeek-R1, Qwen3, QwQ): an answer opening with <think> has that part returned as "
         "reasoning_content."))] = False,
+    allow_lora_updates: Annotated[bool, typer.Option("--allow-lora-updates", help=(
+        "Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (anyone who reaches the API can then change "
+        "the adapters served)."))] = False,
     nats: NatsOption = None,
     namespace: NamespaceOption = None,
     log_level: LogLevelOption = "INFO",
@@ -552,11 +555,58 @@ def gateway(
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
         async with open_client(nats_settings, bus_settings, "conveyor-gateway") as client:
-            async with serving(client, GatewayOptions(host, port, first_token_timeout_s, reasoning_parser=reasoning_parser)) as bound:
+            async with serving(client, GatewayOptions(host, port, first_token_timeout_s, reasoning_parser=reasoning_parser,
+                                                            allow_lora_updates=allow_lora_updates)) as bound:
                 typer.echo(f"[conveyor] OpenAI API on http://{host}:{bound}/v1", err=True)
                 await stop.wait()
 
     run_loop(run())
+
+
+lora_app = typer.Typer(help="LoRA adapters: serve one on every LLM worker of its base model, stop serving it, list them.",
+                       no_args_is_help=True)
+app.add_typer(lora_app, name="lora")
+TimeoutOption = Annotated[float, typer.Option("--timeout-s", help="How long to wait for the workers to report.")]
+
+
+@lora_app.command("load")
+def lora_load_command(
+    name: Annotated[str, typer.Argument(help="The adapter's name: requests send it as their model.")],
+    path: Annotated[str, typer.Argument(help="PEFT adapter directory (adapter_config.json + weights) the workers can read.")],
+    model: Annotated[str | None, typer.Option("--model", help="Base model. Default: the one model the LLM workers serve.")] = None,
+    timeout_s: TimeoutOption = 60.0,
+    nats: NatsOption = None,
+    namespace: NamespaceOption = None,
+) -> None:
+    """Serve a LoRA adapter: every decode/prefill worker of the base model loads it, and so do workers started later.
+    Loading the same name and path again changes nothing."""
+    from workers.client_commands import lora_load
+
+    nats_settings, bus_settings = load_settings(nats, namespace)
+    typer.echo(_run_client(lora_load(nats_settings, bus_settings, name, path, model, timeout_s)))
+
+
+@lora_app.command("unload")
+def lora_unload_command(
+    name: Annotated[str, typer.Argument(help="The adapter to stop serving.")],
+    timeout_s: TimeoutOption = 60.0,
+    nats: NatsOption = None,
+    namespace: NamespaceOption = None,
+) -> None:
+    """Stop serving a LoRA adapter everywhere; requests already running with it finish with it."""
+    from workers.client_commands import lora_unload
+
+    nats_settings, bus_settings = load_settings(nats, namespace)
+    typer.echo(_run_client(lora_unload(nats_settings, bus_settings, name, timeout_s)))
+
+
+@lora_app.command("list")
+def lora_list_command(nats: NatsOption = None, namespace: NamespaceOption = None) -> None:
+    """The adapters served, their base model, on how many workers each is loaded, and failures."""
+    from workers.client_commands import lora_list
+
+    nats_settings, bus_settings = load_settings(nats, namespace)
+    typer.echo(_run_client(lora_list(nats_settings, bus_settings)))
 
 
 @app.command()

@@ -1,4 +1,4 @@
-"""`conveyor ask`, `conveyor cancel`, `conveyor status`: a NATS client of the pipeline in a terminal."""
+"""`conveyor ask`, `cancel`, `status`, `lora`: a NATS client of the pipeline in a terminal."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bus.client import PipelineClient, open_client
+from bus.client import AdapterRollout, PipelineClient, open_client
 from bus.errors import RemoteError, ReplyStreamBroken
 from bus.registry import ready_models
 from bus.settings import BusSettings, NatsSettings
 from schemas.client import ChatMessage, ChatRequest, EmbeddingRequest, ImageRequest, StreamFormat
+from schemas.control import LoraAdapter
+from schemas.registry import Stage, WorkerCard
 from schemas.replies import EmbeddingResult, FinalFrame, ImageResult
 
 
@@ -161,4 +163,56 @@ async def status(nats: NatsSettings, bus: BusSettings) -> str:
     models = ready_models(cards)
     lines.append("")
     lines.append("ready models: " + (", ".join(f"{m} ({mode.value})" for m, mode in sorted(models.items())) or "none"))
+    return "\n".join(lines)
+
+
+async def lora_load(nats: NatsSettings, bus: BusSettings, name: str, path: str, base_model: str | None,
+                    timeout_s: float) -> str:
+    """Serve a LoRA adapter on every LLM worker of its base model; what each worker did, one line each."""
+    async with open_client(nats, bus, "conveyor-lora") as client:
+        base = base_model or _only_base_model(await client.live_workers())
+        rollout = await client.load_lora(LoraAdapter(name=name, base_model=base, path=path), timeout_s)
+        if rollout.refused:
+            raise RuntimeError(f"no worker could load {name!r}: {rollout.failures()}")
+    return _rollout_lines(f"{name} (on {base}, from {path})", "loaded", rollout)
+
+
+async def lora_unload(nats: NatsSettings, bus: BusSettings, name: str, timeout_s: float) -> str:
+    async with open_client(nats, bus, "conveyor-lora") as client:
+        rollout = await client.unload_lora(name, timeout_s)
+    if rollout is None:
+        raise RuntimeError(f"no LoRA adapter named {name!r} is served (see `conveyor lora list`)")
+    return _rollout_lines(name, "unloaded", rollout)
+
+
+async def lora_list(nats: NatsSettings, bus: BusSettings) -> str:
+    async with open_client(nats, bus, "conveyor-lora") as client:
+        adapters = await (await client.adapters()).all()
+        cards = await client.live_workers()
+    if not adapters:
+        return f"no LoRA adapters served in namespace {bus.namespace!r}; add one with `conveyor lora load NAME PATH`"
+    lines = [f"{'adapter':<24} {'base model':<28} {'loaded on':>9}  path"]
+    for adapter in adapters:
+        loaded = sum(1 for card in cards if adapter.name in card.lora_adapters)
+        lines.append(f"{adapter.name:<24} {adapter.base_model:<28} {loaded:>9}  {adapter.path}")
+        lines += [f"    {card.worker_id}: {card.lora_failures[adapter.name]}" for card in cards
+                  if adapter.name in card.lora_failures]
+    return "\n".join(lines)
+
+
+def _only_base_model(cards: list[WorkerCard]) -> str:
+    models = sorted({card.model for card in cards if card.stage in (Stage.DECODE, Stage.PREFILL)})
+    if len(models) != 1:
+        raise RuntimeError("name the adapter's base model with --model (LLM workers serve "
+                           + (", ".join(models) if models else "no model: none are running") + ")")
+    return models[0]
+
+
+def _rollout_lines(what: str, done: str, rollout: AdapterRollout) -> str:
+    lines = [f"{what}: {done} on {len(rollout.done)} worker(s)"]
+    lines += [f"  failed on {worker}: {reason}" for worker, reason in rollout.failed.items()]
+    if rollout.pending:
+        lines.append(f"  still pending on {', '.join(rollout.pending)} (they go on in the background)")
+    if not (rollout.done or rollout.failed or rollout.pending):
+        lines.append("  no LLM worker of the model is running; workers that start later load it")
     return "\n".join(lines)

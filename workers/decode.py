@@ -19,7 +19,7 @@ Migration: every reply stream is journaled (bus/journal.py). A task redelivered 
 died or stopped mid-stream is taken over where it stopped: the tokens the client has are appended to
 the prompt, `max_tokens` shrinks by as many, the stream goes on with its numbering and inbox, and the
 final frame counts the `migrations`. Not migrated (retryable `worker_lost` error frame instead): guided
-decoding (its grammar state cannot move), n > 1, images on a worker without a vision path (their rows
+decoding (its grammar state cannot move), n > 1, a session's request, images on a worker without a vision path (their rows
 were read once; with one, they are encoded here again), a request past the migration limit or whose
 sequence is longer than the migration max. With migration
 off (`--migration-limit 0`, no journal) every redelivered task gets that error, as what was streamed is
@@ -83,6 +83,7 @@ class DecodeStage:
         self.model = model
         self._images = images
         self._migration = migration
+        self._context: StageContext | None = None
 
     @property
     def journals_replies(self) -> bool:
@@ -102,6 +103,7 @@ class DecodeStage:
         return self.model
 
     async def start(self, context: StageContext) -> None:
+        self._context = context
         await self._engine.start()
 
     async def stop(self) -> None:
@@ -123,6 +125,8 @@ class DecodeStage:
         if resumed is not None and not await self._take_over(task, resumed, delivery):
             REQUESTS.labels(stage=Stage.DECODE.value, model=self.model, outcome="worker_lost").inc()
             return
+        if task.request.lora_name is not None and self._context is not None and self._context.adapters is not None:
+            await self._context.adapters.ensure(task.request.lora_name)
         # A migrated request's KV is gone with its prefill: this engine runs the longer prompt itself.
         bootstrap = task.bootstrap if resumed is None else None
         if bootstrap is not None:
@@ -144,6 +148,8 @@ class DecodeStage:
             guided=task.request.guided,
             bootstrap=bootstrap,
             priority=task.request.priority,
+            lora_name=task.request.lora_name,
+            session=task.request.session,
             resumed=ResumedOutput(resumed.token_ids, resumed.text) if resumed is not None else None,
         )
         async with delivery.reply as reply:
@@ -176,10 +182,12 @@ class DecodeStage:
     def _refusal(self, task: DecodeTask, progress: Progress) -> str | None:
         request = task.request
         # What cannot be rebuilt here: a grammar's state, n parallel streams, images without a vision path
-        # here (their rows were read once), or (disaggregated) a prompt this decode engine cannot run itself.
+        # here (their rows were read once), a session's conversation (it stayed in the dead engine), or
+        # (disaggregated) a prompt this decode engine cannot run itself.
         local_prefill = task.bootstrap is None or self._runs_prompts_itself(task)
         images_lost = bool(request.media) and not self.accepts_media
-        if request.guided is not None or request.sampling.n > 1 or images_lost or not local_prefill:
+        if (request.guided is not None or request.sampling.n > 1 or images_lost or not local_prefill
+                or request.session is not None):
             return "not_migratable"
         if progress.migrations >= self._migration.limit:
             return "over_limit"

@@ -3,7 +3,8 @@
 Serves `/v1/chat/completions`, `/v1/completions` (streaming over SSE, with
 `stream_options.include_usage`, or whole responses), `/v1/embeddings`, `/v1/images/generations`
 (`b64_json` or `url`), `/v1/models` (the models the registry shows
-ready) and `/health`. Each HTTP request becomes one `ChatRequest` / `CompletionRequest` published to
+ready, LoRA adapters with their `parent`), `/health`, and with `allow_lora_updates` vLLM's `/v1/load_lora_adapter`
+and `/v1/unload_lora_adapter`. Each HTTP request becomes one `ChatRequest` / `CompletionRequest` published to
 `{ns}.work.processor` with its own reply inbox; the reply frames are turned back into OpenAI JSON. Chat answers to
 requests with tools, and with `reasoning_parser` any chat answer, are read here for `tool_calls` and
 `reasoning_content` (workers/output_parsing.py).
@@ -32,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from bus.client import PipelineClient
 from bus.errors import RejectRequest, RemoteError, ReplyGap, ReplyStreamBroken
-from bus.registry import ready_models
+from bus.registry import ready_models, served_adapters
 from bus.replies import ReplyStream
 from schemas.client import (
     ChatMessage,
@@ -45,6 +46,8 @@ from schemas.client import (
     StreamFormat,
     ToolSpec,
 )
+from schemas.control import LoraAdapter
+from schemas.registry import Stage
 from schemas.replies import EmbeddingResult, ErrorCode, FinalFrame, ImageResult, TokenChunk, TokenLogprob, Usage
 from workers.output_parsing import OutputParser, ParsedDelta, ToolFormat
 
@@ -88,6 +91,8 @@ class _OpenAIBody(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    session_id: str | None = None
+    close_session: bool = False
 
     def generation_fields(self) -> dict[str, Any]:
         fields = self.model_dump(exclude={"model", "stream", "stream_options", "max_completion_tokens", "messages",
@@ -152,6 +157,19 @@ class GatewayOptions:
     shutdown_grace_s: float = 30.0
     # Split an answer's leading <think>...</think> into `reasoning_content` (reasoning models).
     reasoning_parser: bool = False
+    # Serve /v1/load_lora_adapter and /v1/unload_lora_adapter (off: anyone reaching the API could change models).
+    allow_lora_updates: bool = False
+
+
+class LoadLoraBody(BaseModel):
+    lora_name: str
+    lora_path: str
+    base_model: str | None = None
+    timeout_s: float = Field(default=60.0, gt=0, le=600)
+
+
+class UnloadLoraBody(BaseModel):
+    lora_name: str
 
 
 class OpenAIError(Exception):
@@ -197,6 +215,9 @@ class Gateway:
             web.get("/v1/models", self.models),
             web.get("/health", self.health),
         ])
+        if options.allow_lora_updates:
+            self.app.add_routes([web.post("/v1/load_lora_adapter", self.load_lora),
+                                 web.post("/v1/unload_lora_adapter", self.unload_lora)])
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -211,9 +232,35 @@ class Gateway:
         return web.json_response({"status": "ok", "ready_models": sorted(await self._ready_models(max_age_s=0.0))})
 
     async def models(self, request: web.Request) -> web.Response:
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "conveyor"}
-                for name in sorted(await self._ready_models(max_age_s=0.0))]
+        cards = await self._client.live_workers()
+        adapters = served_adapters(cards)
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "conveyor", "root": adapters.get(name, name),
+                 "parent": adapters.get(name)} for name in sorted(ready_models(cards))]
         return web.json_response({"object": "list", "data": data})
+
+    async def load_lora(self, request: web.Request) -> web.Response:
+        """vLLM's route: serve a LoRA adapter on every LLM worker of `base_model` (default: the one served)."""
+        body = await _parse(request, LoadLoraBody)
+        bases = sorted({c.model for c in await self._client.live_workers() if c.stage in (Stage.DECODE, Stage.PREFILL)})
+        base = body.base_model or (bases[0] if len(bases) == 1 else None)
+        if base is None:
+            raise OpenAIError(400, f"name the adapter's base_model (LLM workers serve: {', '.join(bases) or 'none'})")
+        adapter = _build(LoraAdapter, name=body.lora_name, base_model=base, path=body.lora_path)
+        rollout = await self._client.load_lora(adapter, body.timeout_s)
+        if rollout.refused:
+            raise OpenAIError(400, f"no worker could load {body.lora_name!r}: {rollout.failures()}")
+        self._ready_at_s = 0.0  # the next request sees the adapter
+        return web.json_response({"status": "success", "lora_name": adapter.name, "base_model": base,
+                                  "loaded_on": rollout.done, "failed_on": rollout.failed, "pending_on": rollout.pending})
+
+    async def unload_lora(self, request: web.Request) -> web.Response:
+        body = await _parse(request, UnloadLoraBody)
+        rollout = await self._client.unload_lora(body.lora_name)
+        if rollout is None:
+            raise OpenAIError(404, f"no LoRA adapter named {body.lora_name!r} is served", code="model_not_found")
+        self._ready_at_s = 0.0
+        return web.json_response({"status": "success", "lora_name": body.lora_name, "unloaded_on": rollout.done,
+                                  "pending_on": rollout.pending})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await _parse(request, ChatBody)

@@ -81,6 +81,8 @@ class PrefillStage:
         assert endpoint is not None
         room = task.bootstrap_room if task.bootstrap_room is not None else secrets.randbits(63)
         bootstrap = BootstrapInfo(bootstrap_host=endpoint.host, bootstrap_port=endpoint.port, bootstrap_room=room)
+        if task.request.lora_name is not None and self._context.adapters is not None:
+            await self._context.adapters.ensure(task.request.lora_name)
         images = await resolve_images(self._images, task, delivery)
         if images is None:
             return
@@ -88,7 +90,7 @@ class PrefillStage:
         request = GenerateRequest(
             request_id=task.request_id, token_ids=token_ids, image_rows=image_rows, sampling=task.request.sampling,
             stop=task.request.stop, output=task.request.output, guided=task.request.guided, bootstrap=bootstrap,
-            priority=task.request.priority,
+            priority=task.request.priority, lora_name=task.request.lora_name,
         )
         prefill = asyncio.create_task(_drain(self._engine.generate(request)))
         # Let the engine register the room before the decode side learns of it.

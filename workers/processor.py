@@ -19,6 +19,11 @@ cached prefix, against its load, makes it cheapest (an index built from the KV-e
 model's prompt with at most N tokens left to compute runs on a decode worker that can prefill itself. Tasks pinned to a replica that dies go back to the
 shared queue. Requests with images use the shared queue.
 
+A request whose `model` is a LoRA adapter a ready worker has loaded (its card lists it) runs on the adapter's base
+model, with `lora_name` set; when only some replicas have it, the task is pinned to one of those. A request with a
+`session_id` goes to the decode worker holding the session (`{ns}_sessions`), a new one to the replica the router
+(or the least KV use) picks; a session whose worker stopped → `worker_lost` (its conversation is gone).
+
 Emits to the client only errors; the stage that finishes the request streams the reply.
 
 Fails how (each an error frame to the inbox, then ack; the processor goes on serving):
@@ -47,7 +52,7 @@ from bus.consumer import Delivery
 from bus.errors import RejectRequest
 from bus.lifecycle import stop_tasks
 from bus.metrics import QUEUE_SECONDS, REQUESTS
-from bus.registry import REQUIRED_STAGES
+from bus.registry import REQUIRED_STAGES, served_adapters
 from bus.router import Router, RouterOptions
 from schemas.client import (
     CLIENT_REQUEST,
@@ -74,6 +79,7 @@ from schemas.tasks import (
     MediaItem,
     PrefillTask,
     PreprocessedRequest,
+    SessionRef,
     TaskHeader,
 )
 from workers.runtime import StageContext
@@ -179,23 +185,36 @@ class ProcessorStage:
             await self._route_image(request, time.time() - delivery.queued_s, delivery)
             REQUESTS.labels(stage=Stage.PROCESSOR.value, model=request.model, outcome="routed").inc()
             return
-        model = self._models.get(request.model)
-        if model is None:
-            raise RejectRequest(ErrorCode.UNKNOWN_MODEL,
-                                f"model {request.model!r} is not served here; served: {', '.join(sorted(self._models))}")
+        model, lora_name = await self._model_of(request.model)
         created_at_s = time.time() - delivery.queued_s
         if isinstance(request, EmbeddingRequest):
+            if lora_name is not None:
+                raise RejectRequest(ErrorCode.UNSUPPORTED, f"{lora_name!r} is a LoRA adapter: adapters serve generation")
             await self._route_embedding(request, model, created_at_s, delivery)
         else:
-            await self._route_generation(request, model, created_at_s, delivery)
+            await self._route_generation(request, model, created_at_s, delivery, lora_name)
         REQUESTS.labels(stage=Stage.PROCESSOR.value, model=model.name, outcome="routed").inc()
 
+    async def _model_of(self, name: str) -> tuple[ServedModel, str | None]:
+        """The served model a request names, and the LoRA adapter when it names one (run on its base model)."""
+        model = self._models.get(name)
+        if model is not None:
+            return model, None
+        # A fresh view when the cached one lacks the adapter: it may have been loaded since.
+        for max_age_s in (_REGISTRY_REFRESH_S, 0.0):
+            base = served_adapters(await self._live_cards(max_age_s)).get(name)
+            if base in self._models:
+                return self._models[base], name
+        raise RejectRequest(ErrorCode.UNKNOWN_MODEL,
+                            f"model {name!r} is not served here; served: {', '.join(sorted(self._models))}")
+
     async def _route_generation(self, request: ChatRequest | CompletionRequest, model: ServedModel,
-                                created_at_s: float, delivery: Delivery) -> None:
+                                created_at_s: float, delivery: Delivery, lora_name: str | None = None) -> None:
         assert self._context is not None
         token_ids, media = self._tokenize(request, model)
         try:
-            preprocessed = preprocess(request, token_ids, model).model_copy(update={"media": media})
+            preprocessed = preprocess(request, token_ids, model).model_copy(update={"media": media,
+                                                                                    "lora_name": lora_name})
         except ValidationError as error:
             # Fields valid one by one that do not fit together (min_tokens above max_tokens, ...).
             raise RejectRequest(ErrorCode.INVALID_REQUEST, "; ".join(
@@ -203,6 +222,9 @@ class ProcessorStage:
                 for detail in error.errors()[:5])) from error
         header = TaskHeader(request_id=request.request_id, reply_to=request.reply_to,
                             stream_format=request.stream_format, created_at_s=created_at_s)
+        if request.session_id is not None:
+            await self._route_session(request, header, preprocessed, model, delivery)
+            return
         if media:
             await self._route_multimodal(header, preprocessed, model, delivery)
             return
@@ -213,7 +235,7 @@ class ProcessorStage:
         # disaggregated model may skip the prefill stage (conditional disaggregation).
         remote = mode == ServingMode.DISAGGREGATED and not self._router.prefills_locally(model.name, token_ids, cards)
         stage = Stage.PREFILL if remote else Stage.DECODE
-        route = self._router.route(stage, model.name, token_ids, cards)
+        route = self._router.route(stage, model.name, token_ids, cards, lora_name)
         predicted = route.predicted_cached_tokens if route is not None else None
         task: DecodeTask | PrefillTask = (
             PrefillTask(header=header, request=preprocessed, predicted_cached_tokens=predicted)
@@ -222,6 +244,44 @@ class ProcessorStage:
                             worker_id=route.worker_id if route is not None else None)
         log.info("processor.routed", to=stage.value, prompt_tokens=len(token_ids), mode=mode.value,
                  worker_id=route.worker_id if route is not None else None)
+
+    async def _route_session(self, request: ChatRequest | CompletionRequest, header: TaskHeader,
+                             preprocessed: PreprocessedRequest, model: ServedModel, delivery: Delivery) -> None:
+        """A session's requests all go to the decode worker holding it: a new session is placed like any prompt
+        (the router's choice, else the least busy replica) and written down for every processor."""
+        assert self._context is not None and self._context.sessions is not None and self._router is not None
+        session_id = request.session_id
+        assert session_id is not None
+        if await self._mode_of(model.name) != ServingMode.AGGREGATED or request.n > 1 or preprocessed.media:
+            raise RejectRequest(ErrorCode.UNSUPPORTED, "sessions run text prompts with n = 1 on aggregated decode "
+                                "workers (the conversation stays in one engine)")
+        places = self._context.sessions
+        holder = await places.worker_of(session_id)
+        decoders = [c for c in await self._live_cards(max_age_s=_FRESH_VIEW_S if holder else _REGISTRY_REFRESH_S)
+                    if c.stage == Stage.DECODE and c.model == model.name and c.ready]
+        if holder is not None and holder not in {card.worker_id for card in decoders}:
+            await places.forget(session_id)
+            raise RejectRequest(ErrorCode.WORKER_LOST, f"session {session_id!r} was held by worker {holder}, which "
+                                "stopped; its conversation is gone: start a new session")
+        opens = holder is None
+        if holder is None:
+            if not decoders:
+                await self._require_stages(model.name, ServingMode.AGGREGATED)
+                raise RejectRequest(ErrorCode.UNKNOWN_MODEL, f"no ready decode worker serves {model.name!r}")
+            route = self._router.route(Stage.DECODE, model.name, preprocessed.token_ids, decoders,
+                                       preprocessed.lora_name)
+            chosen = route.worker_id if route is not None else min(decoders, key=_busyness).worker_id
+            holder = await places.place(session_id, chosen)
+            opens = holder == chosen
+        if request.close_session:
+            await places.forget(session_id)
+        elif not opens:
+            await places.touch(session_id, holder)
+        session = SessionRef(id=session_id, opens=opens, closes=request.close_session)
+        task = DecodeTask(header=header, request=preprocessed.model_copy(update={"session": session}))
+        await self._forward(Stage.DECODE, task, request.request_id, delivery, model.name, worker_id=holder)
+        log.info("processor.routed_session", session_id=session_id, opens=opens, closes=request.close_session,
+                 worker_id=holder)
 
     async def _route_multimodal(self, header: TaskHeader, request: PreprocessedRequest, model: ServedModel,
                                 delivery: Delivery) -> None:
@@ -403,6 +463,11 @@ class ProcessorStage:
         for card in cards:
             if card.ready:
                 self._last_ready_s[(card.model, card.stage)] = now_s
+
+
+def _busyness(card: WorkerCard) -> int:
+    """KV blocks in use: how a new session picks a replica when no router pins prompts."""
+    return card.kv.used_blocks if card.kv is not None else 0
 
 
 def preprocess(request: GenerationRequest, token_ids: list[int], model: ServedModel) -> PreprocessedRequest:

@@ -32,6 +32,7 @@ from aiohttp import web
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from tenacity import AsyncRetrying, wait_exponential
 
+from bus.adapters import AdapterBucket, ensure_lora_bucket
 from bus.cancel import CancelRegistry
 from bus.connection import connect
 from bus.consumer import ConsumerOptions, Delivery, WorkConsumer
@@ -40,13 +41,16 @@ from bus.lifecycle import sleep_unless, stop_tasks
 from bus.metrics import CACHE_HIT_RATE, ENGINE_RUNNING, ENGINE_WAITING, KV_EVENT_BATCHES, KV_USAGE, WORKER_READY
 from bus.publish import TaskPublisher
 from bus.registry import Registration, live_workers
+from bus.sessions import SessionPlaces, ensure_session_bucket
 from bus.router import Router, RouterOptions
 from bus.settings import BusSettings, NatsSettings
 from bus.streams import declare_all, declare_all_when_ready, ensure_registry_bucket
 from bus.subjects import Names
 from schemas.codec import WIRE_VERSION, encode
 from schemas.registry import BootstrapEndpoint, KvCapacity, ServingMode, Stage, WorkerCard, WorkerLoad
-from workers.engines.protocol import Engine, MemoryTag
+from schemas.control import LoraAdapter, LoraName
+from workers.adapters import AdapterSync
+from workers.engines.protocol import Engine, ExpertRecording, MemoryTag
 from workers.http import HealthServer
 
 log = structlog.get_logger(__name__)
@@ -86,6 +90,10 @@ class StageContext:
     worker_id: str
     # A KV-aware router over this bus (the processor's), not started.
     make_router: Callable[[RouterOptions], Router]
+    # The LoRA adapters of this worker's engine (prefill and decode workers; None elsewhere).
+    adapters: AdapterSync | None = None
+    # Where each open session is (the processor's; None elsewhere).
+    sessions: SessionPlaces | None = None
 
 
 class PipelineStage(Protocol):
@@ -132,6 +140,15 @@ class UpdateWeightsBody(BaseModel):
     model_path: Path
 
 
+class LoadLoraBody(BaseModel):
+    lora_name: LoraName
+    lora_path: str
+
+
+class UnloadLoraBody(BaseModel):
+    lora_name: LoraName
+
+
 class WorkerRuntime:
     def __init__(self, stage: PipelineStage, options: WorkerOptions, nats: NatsSettings, bus: BusSettings) -> None:
         self._stage = stage
@@ -142,6 +159,7 @@ class WorkerRuntime:
         self._stopping = asyncio.Event()
         self._not_ready_reason: str | None = "starting"
         self._consumer: WorkConsumer[Any] | None = None
+        self._adapters: AdapterSync | None = None
         self._registration: Registration | None = None
         self._health: HealthServer | None = None
         self._background: list[asyncio.Task[None]] = []
@@ -179,14 +197,20 @@ class WorkerRuntime:
             self._health = HealthServer(self.options.http_host, self.options.http_port, self._readiness,
                                         extra_routes=self._control_routes())
             await self._health.start()
+            self._adapters = await self._adapter_sync(js)
             context = StageContext(
                 names=self._names, settings=self._bus,
                 publisher=TaskPublisher(js, self._names, min(self._bus.max_message_bytes, nc.max_payload)),
                 list_workers=lambda: live_workers(bucket), worker_id=self.options.worker_id,
                 make_router=lambda options: Router(nc, js, self._names, self._bus, options),
+                adapters=self._adapters,
+                sessions=SessionPlaces(await ensure_session_bucket(js, self._names, self._bus))
+                if self.options.stage == Stage.PROCESSOR else None,
             )
             log.info("worker.starting", model=self.options.model, mode=self.options.mode.value)
             await self._stage.start(context)
+            if self._adapters is not None:
+                await self._adapters.start()
             self._consumer = WorkConsumer(
                 nc, js, self._names, self._bus, self.options.stage, self._stage.task_type, self._stage.handle,
                 cancels, worker_id=self.options.worker_id, model=self._stage.consumes_model,
@@ -215,6 +239,8 @@ class WorkerRuntime:
             await self._shutdown(consumer_loop)
         finally:
             self._stopping.set()
+            if self._adapters is not None:
+                await self._adapters.stop()
             await stop_tasks([*self._background, *([self._recovery] if self._recovery else [])])
             await self._stage.stop()
             await _unless_nats_is_away("cancels.stop", cancels.stop())
@@ -222,6 +248,18 @@ class WorkerRuntime:
                 await self._health.stop()
             await _close(nc)
             log.info("worker.stopped")
+
+    async def _adapter_sync(self, js: Any) -> AdapterSync | None:
+        engine = self._stage.engine
+        if engine is None or self.options.stage not in (Stage.DECODE, Stage.PREFILL):
+            return None
+        bucket = AdapterBucket(await ensure_lora_bucket(js, self._names, self._bus))
+        return AdapterSync(engine, self.options.model, bucket, self._publish_card)
+
+    async def _publish_card(self) -> None:
+        """Write the card now (a LoRA adapter came or went); before registering there is nothing to write."""
+        if self._registration is not None:
+            await self._registration.update(self._card(ready=self.ready))
 
     def _max_concurrency(self) -> int:
         """Tasks this worker holds at once: as configured, but no more than its engine runs at once. Replicas pull
@@ -308,6 +346,8 @@ class WorkerRuntime:
             context_length=context_length, ready=ready, wire_version=WIRE_VERSION,
             accepts_media=self._stage.accepts_media,
             prefills_locally=engine is not None and engine.info.prefills_in_decode_role,
+            lora_adapters=sorted(engine.loras()) if engine is not None else [],
+            lora_failures=dict(self._adapters.failures) if self._adapters is not None else {},
         )
 
     def _start_background(self, nc: Any, js: Any) -> None:
@@ -382,6 +422,11 @@ class WorkerRuntime:
             web.post("/engine/stop_profile", self._stop_profile),
             web.post("/engine/update_weights_from_disk", self._update_weights),
             web.post("/engine/flush_cache", self._flush_cache),
+            web.post("/engine/load_lora", self._load_lora),
+            web.post("/engine/unload_lora", self._unload_lora),
+            web.get("/engine/list_loras", self._list_loras),
+            *[web.post(f"/engine/{action.value}_expert_distribution_record", self._expert_route(action))
+              for action in ExpertRecording],
         ]
 
     async def _release_memory(self, request: web.Request) -> web.Response:
@@ -418,6 +463,30 @@ class WorkerRuntime:
 
     async def _flush_cache(self, request: web.Request) -> web.Response:
         return await _control(lambda: self._stage.engine.flush_cache())  # type: ignore[union-attr]
+
+    async def _load_lora(self, request: web.Request) -> web.Response:
+        """This worker only; `conveyor lora load` serves an adapter on every replica, later ones included."""
+        body = await _body(request, LoadLoraBody)
+        if self._adapters is None:
+            raise web.HTTPNotFound(text=f"a {self.options.stage.value} worker has no LoRA adapters")
+        adapter = LoraAdapter(name=body.lora_name, base_model=self.options.model, path=body.lora_path)
+        return await _control(lambda: self._adapters.load(adapter))  # type: ignore[union-attr]
+
+    async def _unload_lora(self, request: web.Request) -> web.Response:
+        body = await _body(request, UnloadLoraBody)
+        if self._adapters is None:
+            raise web.HTTPNotFound(text=f"a {self.options.stage.value} worker has no LoRA adapters")
+        return await _control(lambda: self._adapters.unload(body.lora_name))  # type: ignore[union-attr]
+
+    def _expert_route(self, action: ExpertRecording) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def route(request: web.Request) -> web.Response:
+            return await _control(lambda: self._stage.engine.record_experts(action))  # type: ignore[union-attr]
+
+        return route
+
+    async def _list_loras(self, request: web.Request) -> web.Response:
+        loras = self._stage.engine.loras()  # type: ignore[union-attr]
+        return web.json_response({"status": "success", "loras": loras, "count": len(loras)})
 
 
 async def _unless_nats_is_away(step: str, action: Awaitable[None], timeout_s: float = 5.0) -> None:

@@ -27,6 +27,7 @@ from schemas.kv_hashing import chain_hashes
 from workers.engines.protocol import (
     EngineInfo,
     EngineLoad,
+    ExpertRecording,
     GenerateOutput,
     GenerateRequest,
     KvEventBatchOut,
@@ -82,8 +83,8 @@ class MockEngine:
             cancelled.set()
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
-        if request.sampling.n != 1 or request.guided is not None:
-            raise UnsupportedOption("the mock engine simulates single, unconstrained completions")
+        if request.sampling.n != 1 or request.guided is not None or request.lora_name is not None or request.session:
+            raise UnsupportedOption("the mock engine simulates single, unconstrained completions of the base model")
         if self._released:
             raise RuntimeError(f"engine memory released ({', '.join(sorted(self._released))}); resume it first")
         cancelled = asyncio.Event()
@@ -226,6 +227,18 @@ class MockEngine:
             raise RuntimeError("cannot flush the prefix cache while requests are running")
         self._cached.clear()
         self._publish([AllBlocksCleared()])
+
+    async def load_lora(self, name: str, path: str) -> None:
+        raise UnsupportedOption("the mock engine has no LoRA adapters; use --engine torch or sglang")
+
+    async def unload_lora(self, name: str) -> None:
+        return None  # nothing is loaded
+
+    def loras(self) -> dict[str, str]:
+        return {}
+
+    async def record_experts(self, action: ExpertRecording) -> None:
+        raise UnsupportedOption("the mock engine has no mixture-of-experts layers to record")
 
 
 async def _cancelled_within(cancelled: asyncio.Event, delay_s: float) -> bool:

@@ -17,7 +17,12 @@ it maps, read from the 0.5.17 wheel:
 - control: the tokenizer manager's async `flush_cache`, `start_profile` / `stop_profile`,
   `update_weights_from_disk`, `release_memory_occupation` / `resume_memory_occupation` (the Engine's
   own wrappers call `run_until_complete`, unusable inside a running loop);
-- load: `tokenizer_manager.get_loads()` snapshots (running / waiting requests, used / total tokens).
+- load: `tokenizer_manager.get_loads()` snapshots (running / waiting requests, used / total tokens), and at
+  start `get_internal_state()`'s `effective_max_running_requests_per_dp` (the worker holds no more than that);
+- LoRA: `load_lora_adapter` / `unload_lora_adapter` with `LoadLoRAAdapterReqInput` (`enable_lora` at start),
+  the adapter's name as `lora_path` on the call; MoE: `start/stop/dump_expert_distribution_record`;
+- sessions: `open_session` / `close_session` (`OpenSessionReqInput`), each turn `session_params={"id", "rid"}`
+  with the previous finished turn's request id (non-streaming sessions continue from the node they name).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgpack
 import structlog
@@ -44,6 +49,7 @@ from workers.engines.protocol import (
     DisaggregationRole,
     EngineInfo,
     EngineLoad,
+    ExpertRecording,
     GenerateOutput,
     GenerateRequest,
     KvEventBatchOut,
@@ -86,6 +92,24 @@ class SGLangEngineConfig(BaseSettings):
     # ZMQ endpoint SGLang publishes KV events on (0 picks a free local port).
     kv_events_port: int = 0
     enable_memory_saver: bool = False
+    # LoRA adapters, loaded at run time (`conveyor lora load`): SGLang sizes its adapter pool at start, so the
+    # largest rank and the layers adapters may touch are fixed here ("all", or q_proj, k_proj, v_proj, o_proj,
+    # gate_proj, up_proj, down_proj).
+    enable_lora: bool = False
+    max_lora_rank: int = Field(default=64, ge=1, le=1024)
+    lora_target_modules: list[str] = Field(default_factory=lambda: ["all"])
+    max_loras_per_batch: int = Field(default=8, ge=1)
+    # Mixture-of-experts: expert-parallel load balancing and the expert-distribution recorder behind the
+    # start/stop/dump_expert_distribution_record routes.
+    enable_eplb: bool = False
+    eplb_rebalance_num_iterations: int = Field(default=1000, ge=1)
+    ep_num_redundant_experts: int = Field(default=0, ge=0)
+    init_expert_location: str = "trivial"
+    expert_distribution_recorder_mode: Literal["stat", "stat_approx", "per_pass", "per_token"] | None = None
+    expert_distribution_recorder_buffer_size: int | None = Field(default=None, ge=-1)
+    # Sessions: the longest conversation one holds (SGLang counts characters) and how long an idle one lives.
+    session_capacity_chars: int = Field(default=65536, ge=1)
+    session_idle_s: float = Field(default=600.0, gt=0)
     # Any other ServerArgs field, passed through unchanged (JSON in CONVEYOR_SGLANG_EXTRA_SERVER_ARGS).
     extra_server_args: dict[str, Any] = Field(default_factory=dict)
 
@@ -116,12 +140,33 @@ def server_args(config: SGLangEngineConfig, kv_events_port: int, bootstrap_port:
         "sampling_backend": config.sampling_backend,
     }
     args.update({key: value for key, value in optional.items() if value is not None})
+    if config.enable_lora:
+        args.update(enable_lora=True, max_lora_rank=config.max_lora_rank, lora_target_modules=config.lora_target_modules,
+                    max_loras_per_batch=config.max_loras_per_batch)
+    args.update(_expert_args(config))
     if config.role != DisaggregationRole.NONE:
         args["disaggregation_mode"] = config.role.value
         args["host"] = config.bootstrap_host
         args["disaggregation_transfer_backend"] = config.transfer_backend
         args["disaggregation_bootstrap_port"] = bootstrap_port
     args.update(config.extra_server_args)
+    return args
+
+
+def _expert_args(config: SGLangEngineConfig) -> dict[str, Any]:
+    """EPLB and expert-distribution settings, only those changed from SGLang's defaults. EPLB rebalances from what
+    the recorder saw, so it needs a recorder mode (SGLang picks `stat` when none is given)."""
+    args: dict[str, Any] = {}
+    if config.enable_eplb:
+        args.update(enable_eplb=True, eplb_rebalance_num_iterations=config.eplb_rebalance_num_iterations)
+    if config.ep_num_redundant_experts:
+        args["ep_num_redundant_experts"] = config.ep_num_redundant_experts
+    if config.init_expert_location != "trivial":
+        args["init_expert_location"] = config.init_expert_location
+    if config.expert_distribution_recorder_mode is not None:
+        args["expert_distribution_recorder_mode"] = config.expert_distribution_recorder_mode
+    if config.expert_distribution_recorder_buffer_size is not None:
+        args["expert_distribution_recorder_buffer_size"] = config.expert_distribution_recorder_buffer_size
     return args
 
 
@@ -367,6 +412,10 @@ class SGLangEngine:
                                 role=config.role)
         self._load = EngineLoad(0, 0, 1, 0, 0)
         self._load_task: asyncio.Task[None] | None = None
+        self._loras: dict[str, str] = {}
+        self._lora_lock = asyncio.Lock()
+        # Open sessions -> the request id of their last finished turn (the node the next turn continues from).
+        self._sessions: dict[str, str | None] = {}
 
     @property
     def info(self) -> EngineInfo:
@@ -387,6 +436,7 @@ class SGLangEngine:
             context_length=int(manager.model_config.context_len),
             role=self.config.role,
             eos_token_ids=tuple(sorted(manager.model_config.hf_eos_token_id or ())),
+            max_running_requests=await self._max_running_requests(),
         )
         if self.config.role == DisaggregationRole.PREFILL:
             advertised = _host_ip() if self.config.bootstrap_host in ("0.0.0.0", "::") else self.config.bootstrap_host
@@ -394,6 +444,16 @@ class SGLangEngine:
         self._relay = KvEventRelay(f"tcp://127.0.0.1:{kv_port}")
         await self._relay.start()
         self._load_task = asyncio.create_task(self._refresh_load())
+
+    async def _max_running_requests(self) -> int | None:
+        """What SGLang's schedulers run at once (it sizes this from the KV pool when not told), summed over data-
+        parallel ranks: the worker then holds no more tasks than that (runtime.py)."""
+        try:
+            states = await self._engine.tokenizer_manager.get_internal_state()
+            return sum(int(state["effective_max_running_requests_per_dp"]) for state in states) or None
+        except Exception as error:  # an SGLang without the field: the worker's --max-concurrency stands
+            log.warning("sglang.max_running_requests_unknown", error=repr(error))
+            return None
 
     async def shutdown(self) -> None:
         if self._load_task is not None:
@@ -417,8 +477,15 @@ class SGLangEngine:
         kwargs.update(bootstrap_arguments(request, self.config.role))
         if request.priority is not None:
             kwargs["priority"] = request.priority
+        if request.lora_name is not None:
+            if request.lora_name not in self._loras:
+                raise UnsupportedOption(f"LoRA adapter {request.lora_name!r} is not loaded on this engine")
+            kwargs["lora_path"] = request.lora_name  # SGLang takes the adapter's name here
+        if request.session is not None:
+            kwargs["session_params"] = {"id": request.session.id, "rid": await self._session_turn(request)}
         stream = await self._engine.async_generate(**kwargs)
         finished = False
+        completed = False
         try:
             async for item in stream:
                 meta = item.get("meta_info", {})
@@ -440,10 +507,13 @@ class SGLangEngine:
                     error=error,
                 )
                 if finished:
+                    completed = reason in (FinishReason.STOP, FinishReason.LENGTH)
                     return
         finally:
             if not finished:
                 await self.abort(request.request_id)
+            if request.session is not None:
+                await self._end_turn(request, completed)
 
     async def abort(self, request_id: str) -> None:
         if self._engine is not None:
@@ -528,6 +598,72 @@ class SGLangEngine:
         result = await self._engine.tokenizer_manager.flush_cache()
         if not getattr(result, "success", True):
             raise RuntimeError("SGLang could not flush its cache (requests are running)")
+
+    async def load_lora(self, name: str, path: str) -> None:
+        if not self.config.enable_lora:
+            raise UnsupportedOption("LoRA is off on this SGLang engine: start it with CONVEYOR_SGLANG_ENABLE_LORA=true")
+        from sglang.srt.managers.io_struct import LoadLoRAAdapterReqInput
+
+        async with self._lora_lock:
+            if self._loras.get(name) == path:
+                return
+            if name in self._loras:
+                raise ValueError(f"adapter {name!r} is loaded from {self._loras[name]}; unload it before loading {path}")
+            result = await self._engine.tokenizer_manager.load_lora_adapter(
+                LoadLoRAAdapterReqInput(lora_name=name, lora_path=path), None)
+            if not result.success:
+                raise ValueError(f"SGLang could not load {path}: {result.error_message}")
+            self._loras[name] = path
+
+    async def unload_lora(self, name: str) -> None:
+        from sglang.srt.managers.io_struct import UnloadLoRAAdapterReqInput
+
+        async with self._lora_lock:
+            if name not in self._loras:
+                return
+            result = await self._engine.tokenizer_manager.unload_lora_adapter(
+                UnloadLoRAAdapterReqInput(lora_name=name), None)
+            if not result.success:
+                raise RuntimeError(f"SGLang could not unload {name!r}: {result.error_message}")
+            del self._loras[name]
+
+    def loras(self) -> dict[str, str]:
+        return dict(self._loras)
+
+    async def _session_turn(self, request: GenerateRequest) -> str | None:
+        """The request id this session's turn continues from (None: the session's start), opening it if asked."""
+        from sglang.srt.managers.io_struct import OpenSessionReqInput
+
+        session = request.session
+        assert session is not None
+        if session.id not in self._sessions:
+            if not session.opens:
+                raise UnsupportedOption(f"session {session.id!r} is not open on this engine (its worker restarted): "
+                                        "start a new session")
+            # SGLang's sessions keep a tree of turns: each turn names the one it follows (`rid`).
+            await self._engine.tokenizer_manager.open_session(
+                OpenSessionReqInput(capacity_of_str_len=self.config.session_capacity_chars, session_id=session.id,
+                                    timeout=self.config.session_idle_s), None)
+            self._sessions[session.id] = None
+        return self._sessions[session.id]
+
+    async def _end_turn(self, request: GenerateRequest, completed: bool) -> None:
+        from sglang.srt.managers.io_struct import CloseSessionReqInput
+
+        session = request.session
+        assert session is not None
+        if completed:
+            self._sessions[session.id] = request.request_id
+        if session.closes:
+            self._sessions.pop(session.id, None)
+            await self._engine.tokenizer_manager.close_session(CloseSessionReqInput(session_id=session.id), None)
+
+    async def record_experts(self, action: ExpertRecording) -> None:
+        manager = self._engine.tokenizer_manager
+        operation = {ExpertRecording.START: manager.start_expert_distribution_record,
+                     ExpertRecording.STOP: manager.stop_expert_distribution_record,
+                     ExpertRecording.DUMP: manager.dump_expert_distribution_record}[action]
+        await operation()
 
 
 def _host_ip() -> str:

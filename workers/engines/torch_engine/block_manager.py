@@ -12,7 +12,7 @@ from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
 
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
-from schemas.kv_hashing import block_hash
+from schemas.kv_hashing import block_hash, lora_root
 
 if TYPE_CHECKING:
     from workers.engines.torch_engine.sequence import Sequence
@@ -59,7 +59,7 @@ class BlockManager:
         # At least one token must be computed to produce logits, so a fully cached prompt
         # recomputes its last block.
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        parent: int | None = None
+        parent = lora_root(seq.lora_name)
         for index in range(max_blocks):
             start = index * self.block_size
             key = block_hash(parent, seq.token_ids[start : start + self.block_size])
@@ -91,7 +91,7 @@ class BlockManager:
         if not self.enable_prefix_caching or len(seq.block_hashes) >= full_blocks:
             return
         first_new = len(seq.block_hashes)
-        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        parent = seq.block_hashes[-1] if seq.block_hashes else lora_root(seq.lora_name)
         stored_hashes: list[int] = []
         stored_tokens: list[int] = []
         for index in range(first_new, full_blocks):

@@ -42,6 +42,7 @@ from workers.engines.detokenizer import IncrementalDetokenizer
 from workers.engines.protocol import (
     EngineInfo,
     EngineLoad,
+    ExpertRecording,
     GenerateOutput,
     GenerateRequest,
     KvEventBatchOut,
@@ -245,8 +246,8 @@ class DiffusionLMEngine:
     def _check_supported(self, request: GenerateRequest) -> None:
         if request.sampling.n != 1:
             raise UnsupportedOption("the diffusion LM engine generates one completion per request (n=1)")
-        if request.guided is not None:
-            raise UnsupportedOption("the diffusion LM engine has no guided decoding")
+        if request.guided is not None or request.lora_name is not None or request.session is not None:
+            raise UnsupportedOption("the diffusion LM engine has no guided decoding, LoRA adapters or sessions")
         if request.image_rows is not None or request.bootstrap is not None:
             raise UnsupportedOption("the diffusion LM engine takes text prompts in aggregated mode only")
         if request.output.logprobs:
@@ -290,6 +291,18 @@ class DiffusionLMEngine:
 
     async def flush_cache(self) -> None:
         return None  # nothing is cached
+
+    async def load_lora(self, name: str, path: str) -> None:
+        raise UnsupportedOption("the diffusion LM engine has no LoRA adapters")
+
+    async def unload_lora(self, name: str) -> None:
+        return None  # nothing is loaded
+
+    def loras(self) -> dict[str, str]:
+        return {}
+
+    async def record_experts(self, action: ExpertRecording) -> None:
+        raise UnsupportedOption("the diffusion LM engine has no mixture-of-experts layers to record")
 
 
 def _full_attention(tokens: torch.Tensor, logit_positions: torch.Tensor) -> StepInputs:

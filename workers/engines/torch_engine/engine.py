@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -32,6 +32,7 @@ from workers.engines.protocol import (
     DisaggregationRole,
     EngineInfo,
     EngineLoad,
+    ExpertRecording,
     GenerateOutput,
     GenerateRequest,
     KvEventBatchOut,
@@ -50,6 +51,7 @@ from workers.engines.torch_engine.kv_transfer import (
     room_of_notification,
 )
 from workers.engines.torch_engine.loader import DEFAULT_MODEL, ModelConfig, load_state_dict, resolve_model
+from workers.engines.torch_engine.lora import install, read_peft_adapter, uninstall
 from workers.engines.torch_engine.model import CausalLM
 from workers.engines.torch_engine.runner import run_step
 from workers.engines.torch_engine.sampler import Sampled, sample
@@ -84,6 +86,17 @@ class TorchEngineConfig:
     # How long a prefill keeps a computed prompt's blocks for its decode engine to read.
     handoff_timeout_s: float = 60.0
     seed: int = 0
+    # A session no request used for this long is forgotten (the bus's session bucket forgets it alike).
+    session_idle_s: float = 600.0
+
+
+@dataclass(slots=True)
+class _Session:
+    """A conversation this engine holds: every token so far (prompts and answers), whose KV the prefix cache keeps."""
+
+    token_ids: list[int]
+    used_at_s: float
+    running: bool = False
 
 
 class _Stream:
@@ -131,6 +144,11 @@ class TorchEngine:
         # Guided decoding: compiled grammars of this model's tokenizer, made on the first guided request.
         self._grammars: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
+        # LoRA adapters served (name -> path), and those unloaded while requests still run with them.
+        self._loras: dict[str, str] = {}
+        self._retiring: set[str] = set()
+        self._lora_locks: dict[str, asyncio.Lock] = {}
+        self._sessions: dict[str, _Session] = {}
 
     # ----- lifecycle -----------------------------------------------------------------------------
 
@@ -206,6 +224,42 @@ class TorchEngine:
     # ----- requests ------------------------------------------------------------------------------
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        if request.session is None:
+            async for output in self._generate(request):
+                yield output
+            return
+        session = self._session_for(request)
+        request = replace(request, token_ids=session.token_ids + request.token_ids)
+        completion: list[int] = []
+        session.running = True
+        try:
+            async for output in self._generate(request):
+                completion += output.token_ids
+                if output.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                    session.token_ids = request.token_ids + completion  # the turn joins the conversation
+                yield output
+        finally:
+            session.running, session.used_at_s = False, time.monotonic()
+            if request.session is not None and request.session.closes:
+                self._sessions.pop(request.session.id, None)
+
+    def _session_for(self, request: GenerateRequest) -> _Session:
+        """The session a request continues (opened when it is the first); refused when this engine does not hold it."""
+        assert request.session is not None
+        now_s = time.monotonic()
+        for idle in [sid for sid, s in self._sessions.items() if not s.running and now_s - s.used_at_s > self.config.session_idle_s]:
+            del self._sessions[idle]
+        session = self._sessions.get(request.session.id)
+        if session is None and not request.session.opens:
+            raise UnsupportedOption(f"session {request.session.id!r} is not open on this engine (its worker restarted, "
+                                    f"or it was idle over {self.config.session_idle_s:.0f} s): start a new session")
+        if session is None:
+            session = self._sessions[request.session.id] = _Session([], now_s)
+        if session.running:
+            raise UnsupportedOption(f"session {request.session.id!r} is running a request: a session takes one at a time")
+        return session
+
+    async def _generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         self._check_supported(request)
         stream = _Stream(asyncio.get_running_loop())
         seq = self._new_sequence(request)
@@ -285,6 +339,9 @@ class TorchEngine:
     def _check_supported(self, request: GenerateRequest) -> None:
         if request.sampling.n != 1:
             raise UnsupportedOption("the torch engine generates one completion per request (n=1)")
+        if request.lora_name is not None and request.lora_name not in self._loras:
+            raise UnsupportedOption(f"LoRA adapter {request.lora_name!r} is not loaded on this engine "
+                                    f"(loaded: {', '.join(sorted(self._loras)) or 'none'})")
         if len(request.token_ids) >= self.info.context_length:
             raise UnsupportedOption(
                 f"prompt of {len(request.token_ids)} tokens leaves no room in the context of {self.info.context_length}"
@@ -321,6 +378,7 @@ class TorchEngine:
             image_positions=[i for i, t in enumerate(request.token_ids) if t >= self.model_config.vocab_size]
             if request.image_rows is not None else [],
             image_rows=request.image_rows,
+            lora_name=request.lora_name,
         )
 
     def _grammar_for(self, request: GenerateRequest) -> GrammarMatcher:
@@ -349,6 +407,8 @@ class TorchEngine:
             if self._handoffs:
                 self._settle_handoffs()
             self._run_commands(block=not self.scheduler.has_work and not self._handoffs)
+            if self._retiring:
+                self._retire_unused_loras()
             if self.scheduler.has_work and self._kv_cache is not None:
                 try:
                     self._step()
@@ -650,6 +710,50 @@ class TorchEngine:
             self._publish_events()
 
         await self._call(flush)
+
+    # ----- LoRA adapters --------------------------------------------------------------------------
+
+    async def load_lora(self, name: str, path: str) -> None:
+        async with self._lora_locks.setdefault(name, asyncio.Lock()):
+            if self._loras.get(name) == path:
+                return  # loaded already: loading is idempotent
+            if name in self._loras or name in self._retiring:
+                raise ValueError(f"adapter {name!r} is loaded from {self._loras.get(name, 'another path')} (or still "
+                                 f"finishing its requests); unload it before loading it from {path}")
+            assert self.model is not None, "the engine's weights are released"
+            # Reading tensors from disk is not the engine thread's business; installing them is, between steps.
+            adapter = await asyncio.to_thread(read_peft_adapter, Path(path), self.model, self.dtype, self.device)
+
+            def add() -> None:
+                assert self.model is not None
+                install(self.model, name, adapter)
+                self._loras[name] = path
+
+            await self._call(add)
+            log.info("engine.lora_loaded", name=name, path=path, rank=adapter.rank, layers=len(adapter.weights))
+
+    async def unload_lora(self, name: str) -> None:
+        def remove() -> None:
+            if self._loras.pop(name, None) is not None:
+                self._retiring.add(name)  # its weights go once no running request uses them
+                self._retire_unused_loras()
+
+        async with self._lora_locks.setdefault(name, asyncio.Lock()):
+            await self._call(remove)
+
+    def loras(self) -> dict[str, str]:
+        return dict(self._loras)
+
+    async def record_experts(self, action: ExpertRecording) -> None:
+        raise UnsupportedOption("the torch engine runs dense models: no experts to record (SGLang records MoE models)")
+
+    def _retire_unused_loras(self) -> None:
+        in_use = {seq.lora_name for seq in self._sequences.values()}
+        for name in self._retiring - in_use:
+            if self.model is not None:
+                uninstall(self.model, name)
+            self._retiring.discard(name)
+            log.info("engine.lora_unloaded", name=name)
 
     async def _call(self, function: Callable[[], T]) -> T:
         """Run `function` in the engine thread, between two steps; re-raise what it raises."""

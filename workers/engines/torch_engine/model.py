@@ -3,7 +3,8 @@
 One forward pass serves a whole step: the tokens of every scheduled sequence are concatenated
 (prefill chunks and single decode tokens alike), their K/V are written to their cache slots, and
 attention runs once per layer over a padded [sequences × context] view gathered from the cache.
-Module and parameter names follow Hugging Face's, so a safetensors state dict loads as is.
+Module and parameter names follow Hugging Face's, so a safetensors state dict loads as is. The projections are
+`LoraLinear`s: a step's tokens run with their request's LoRA adapter, if any (lora.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.engines.torch_engine.loader import ModelConfig
+from workers.engines.torch_engine.lora import LoraBatch, LoraLinear
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +34,8 @@ class StepInputs:
     # Multimodal: which of the T tokens are image tokens, and the rows that replace their embeddings.
     image_index: torch.Tensor | None = None  # [M]
     image_rows: torch.Tensor | None = None  # [M, hidden]
+    # LoRA: the tokens of each adapter (empty when every sequence runs on the base model).
+    lora: LoraBatch = ()
 
 
 class RMSNorm(nn.Module):
@@ -72,18 +76,18 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.q_proj = LoraLinear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = LoraLinear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = LoraLinear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = LoraLinear(self.num_heads * self.head_dim, hidden, bias=False)
 
     def forward(
         self, x: torch.Tensor, rotary: Rotary, step: StepInputs, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x, step.lora).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x, step.lora).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x, step.lora).view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = rotary(q, k, step.positions)
         # Write first: a sequence's queries attend to the keys written in this same step.
         k_cache.index_copy_(0, step.slot_mapping, k.to(k_cache.dtype))
@@ -93,18 +97,18 @@ class Attention(nn.Module):
         values = v_cache[step.context_slots].transpose(1, 2).to(q.dtype)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=step.attention_mask, enable_gqa=True)
         out = out.transpose(1, 2)[step.query_valid]  # back to [T, H, D] in token order
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim), step.lora)
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = LoraLinear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = LoraLinear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = LoraLinear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, lora: LoraBatch = ()) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x, lora)) * self.up_proj(x, lora), lora)
 
 
 class DecoderLayer(nn.Module):
@@ -119,7 +123,7 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, rotary: Rotary, step: StepInputs, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rotary, step, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), step.lora)
 
 
 class Decoder(nn.Module):

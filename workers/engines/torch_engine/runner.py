@@ -19,9 +19,12 @@ def build_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.de
     query_lengths: list[int] = []
     image_index: list[int] = []
     image_rows: list[torch.Tensor] = []
+    lora_tokens: dict[str, list[int]] = {}
     for chunk in chunks:
         seq, start = chunk.seq, chunk.seq.num_computed_tokens
         end = start + chunk.num_tokens
+        if seq.lora_name is not None:
+            lora_tokens.setdefault(seq.lora_name, []).extend(range(len(token_ids), len(token_ids) + chunk.num_tokens))
         if seq.image_rows is not None:
             first, last = bisect_left(seq.image_positions, start), bisect_left(seq.image_positions, end)
             image_index.extend(len(token_ids) + position - start for position in seq.image_positions[first:last])
@@ -61,6 +64,7 @@ def build_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.de
         last_index=torch.tensor(last_index, dtype=torch.long, device=device),
         image_index=torch.tensor(image_index, dtype=torch.long, device=device) if image_index else None,
         image_rows=torch.cat(image_rows).to(device) if image_index else None,
+        lora=tuple((name, torch.tensor(rows, dtype=torch.long, device=device)) for name, rows in lora_tokens.items()),
     )
 
 

@@ -47,6 +47,8 @@ class Sequence:
     image_rows: torch.Tensor | None = None
     # Guided decoding: the request's position in its grammar (grammar.py); None when unconstrained.
     grammar: GrammarMatcher | None = None
+    # The LoRA adapter this request runs with (None: the base model); it salts the prefix-cache keys.
+    lora_name: str | None = None
 
     @property
     def num_tokens(self) -> int:
