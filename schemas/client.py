@@ -174,6 +174,8 @@ class CompletionRequest(GenerationRequest):
 
     kind: Literal["completion"] = "completion"
     prompt: str | list[int]
+    # Candidates generated to return the n most likely (mean token log-probability); they arrive once all finished.
+    best_of: NumCompletions | None = None
 
 
 class EmbeddingRequest(WireModel):

@@ -38,6 +38,14 @@ class SamplingOptions(WireModel):
     repetition_penalty: RepetitionPenalty = None
     seed: int | None = None
     n: NumCompletions = 1
+    # Generate this many and return the n whose tokens have the highest mean log-probability (OpenAI's best_of).
+    best_of: NumCompletions | None = None
+
+    @model_validator(mode="after")
+    def _best_of_covers_n(self) -> SamplingOptions:
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        return self
 
 
 class StopConditions(WireModel):

@@ -1,8 +1,11 @@
 """The OpenAI features through the whole pipeline on SGLang (GPU machine): starts `conveyor up --engine sglang --gateway`
 on a model directory (dummy weights are enough: constrained output parses whatever the weights), then sends
-structured-output, tool-call, logprobs and n > 1 requests over HTTP and prints one JSON line per check.
+structured-output, tool-call, logprobs, n > 1, best_of and session requests over HTTP, serves a LoRA adapter with
+`conveyor lora load` when given one, drives the expert-distribution recorder, and prints one JSON line per check.
 
-    bash scripts/gpu_run.sh python3 scripts/gpu_features.py --model .gpu/smol
+    bash scripts/gpu_run.sh python3 scripts/gpu_features.py --model .gpu/smol [--lora .gpu/lora]
+
+With --lora the engine starts with CONVEYOR_SGLANG_ENABLE_LORA=true.
 
 Plain HTTP (urllib), so nothing beyond Conveyor's dependencies is needed there.
 """
@@ -10,6 +13,7 @@ Plain HTTP (urllib), so nothing beyond Conveyor's dependencies is needed there.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -79,13 +83,62 @@ def checks(base: str, model: str) -> Iterator[tuple[str, bool, str]]:
         return ([c["index"] for c in answer["choices"]] == [0, 1, 2],
                 json.dumps([c["message"]["content"] for c in answer["choices"]])[:200])
 
+    def best_of() -> tuple[bool, str]:
+        answer = post(base, "/v1/completions", {"model": model, "prompt": "Once", "max_tokens": 8, "temperature": 1.0,
+                                                "n": 2, "best_of": 4})
+        return ([c["index"] for c in answer["choices"]] == [0, 1] and answer["usage"]["completion_tokens"] > 0,
+                json.dumps([c["text"] for c in answer["choices"]])[:200])
+
+    def session() -> tuple[bool, str]:
+        turn = {"model": model, "max_tokens": 8, "temperature": 0.0, "session_id": f"s{time.time_ns()}"}
+        first = post(base, "/v1/completions", turn | {"prompt": "The sea is wide and deep and old."})["usage"]
+        second = post(base, "/v1/completions", turn | {"prompt": " And the sky?", "close_session": True})["usage"]
+        alone = post(base, "/v1/completions", {k: v for k, v in turn.items() if k != "session_id"}
+                     | {"prompt": " And the sky?"})["usage"]
+        grew = second["prompt_tokens"] == first["total_tokens"] + alone["prompt_tokens"]
+        return grew, json.dumps({"first": first, "second": second, "alone": alone})[:300]
+
     for name, check in [("json_schema", json_schema), ("guided_regex", regex), ("guided_choice", choice),
-                        ("tool_choice named", tool_call), ("logprobs", logprobs), ("n=3", n_choices)]:
+                        ("tool_choice named", tool_call), ("logprobs", logprobs), ("n=3", n_choices),
+                        ("best_of=4 n=2", best_of), ("session", session)]:
         try:
             ok, detail = check()
         except Exception as error:  # an HTTP error or a malformed answer: recorded, and the next check runs
             ok, detail = False, f"{type(error).__name__}: {error}"
         yield name, ok, detail
+
+
+def lora_checks(base: str, model: str, adapter: str) -> Iterator[tuple[str, bool, str]]:
+    """Serve the adapter over the bus, ask the base model and the adapter the same question, unload it."""
+    ask = {"messages": [{"role": "user", "content": "Name a city."}], "max_tokens": 12, "temperature": 0.0}
+    loaded = subprocess.run([sys.executable, "-m", "workers.cli", "lora", "load", "tuned", adapter, "--model", model],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    yield "lora load", loaded.returncode == 0 and "loaded on 1" in loaded.stdout, (loaded.stdout + loaded.stderr)[-300:]
+    try:
+        with urllib.request.urlopen(f"{base}/v1/models", timeout=10) as response:
+            listed = json.loads(response.read())["data"]
+        yield "lora in /v1/models", any(m["id"] == "tuned" and m["parent"] == model for m in listed), json.dumps(listed)[:200]
+        plain = post(base, "/v1/chat/completions", ask | {"model": model})["choices"][0]["message"]["content"]
+        tuned = post(base, "/v1/chat/completions", ask | {"model": "tuned"})["choices"][0]["message"]["content"]
+        yield "lora changes the answer", plain != tuned, json.dumps([plain, tuned])[:200]
+    except Exception as error:
+        yield "lora request", False, f"{type(error).__name__}: {error}"
+    unloaded = subprocess.run([sys.executable, "-m", "workers.cli", "lora", "unload", "tuned"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+    yield "lora unload", unloaded.returncode == 0, (unloaded.stdout + unloaded.stderr)[-300:]
+
+
+def expert_checks() -> Iterator[tuple[str, bool, str]]:
+    """start / stop / dump of the expert-distribution recorder on the decode worker (a dense model may refuse)."""
+    status = subprocess.run([sys.executable, "-m", "workers.cli", "status"], cwd=ROOT, capture_output=True, text=True)
+    urls = re.findall(r"(http://\S+)/metrics", status.stdout)
+    for action in ("start", "stop", "dump"):
+        try:
+            answer = post(urls[-1], f"/engine/{action}_expert_distribution_record", {})
+            yield f"experts {action}", bool(answer.get("success")), json.dumps(answer)[:200]
+        except Exception as error:
+            body = error.read().decode()[:200] if hasattr(error, "read") else ""
+            yield f"experts {action}", False, f"{type(error).__name__}: {error} {body}"
 
 
 def _json(text: str) -> Any:
@@ -100,10 +153,12 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--start-timeout-s", type=float, default=420)
+    parser.add_argument("--lora", help="A PEFT adapter directory for the model: served, asked, unloaded.")
     args = parser.parse_args()
+    env = os.environ | ({"CONVEYOR_SGLANG_ENABLE_LORA": "true"} if args.lora else {})
     up = subprocess.Popen([sys.executable, "-m", "workers.cli", "up", "--engine", "sglang", "--model", args.model,
                            "--load-format", "dummy", "--gateway", "--gateway-port", str(args.port)],
-                          cwd=ROOT, env=os.environ.copy())
+                          cwd=ROOT, env=env)
     base = f"http://127.0.0.1:{args.port}"
     try:
         deadline = time.monotonic() + args.start_timeout_s
@@ -117,7 +172,9 @@ def main() -> None:
             if time.monotonic() > deadline or up.poll() is not None:
                 raise SystemExit("the pipeline did not come up")
             time.sleep(2)
-        for name, ok, detail in checks(base, args.model):
+        results = itertools.chain(checks(base, args.model), lora_checks(base, args.model, args.lora) if args.lora else [],
+                                  expert_checks())
+        for name, ok, detail in results:
             print("FEATURE " + json.dumps({"check": name, "ok": ok, "detail": detail}), flush=True)
     finally:
         up.send_signal(signal.SIGINT)

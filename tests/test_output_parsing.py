@@ -43,3 +43,24 @@ def test_a_constrained_answer_is_one_call_and_text_that_is_not_a_call_stays_cont
     assert [c["function"]["arguments"] for c in called.tool_calls] == ['{"x": 1}'] and called.content == ""
     broken = read(OutputParser(ToolFormat.HERMES, reasoning=False), "a <tool_call>{not json}</tool_call> b <tool_call>", 3)
     assert broken.tool_calls == [] and broken.content == "a <tool_call>{not json}</tool_call> b <tool_call>"
+
+
+@pytest.mark.parametrize("piece", [1, 3, 1000])
+def test_mistral_and_llama3_calls_are_read_in_their_own_formats(piece: int) -> None:
+    mistral = read(OutputParser(ToolFormat.MISTRAL, reasoning=False),
+                   'Checking. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+                   '{"name": "get_time", "arguments": {}}]', piece)
+    assert mistral.content == "Checking. "
+    assert [(c["index"], c["function"]["name"]) for c in mistral.tool_calls] == [(0, "get_weather"), (1, "get_time")]
+    bare = read(OutputParser(ToolFormat.LLAMA3_JSON, reasoning=False),
+                ' {"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "get_time", "parameters": {}}', piece)
+    assert bare.content == " "
+    assert [json.loads(c["function"]["arguments"]) for c in bare.tool_calls] == [{"city": "Rome"}, {}]
+    tagged = read(OutputParser(ToolFormat.LLAMA3_JSON, reasoning=False),
+                  '<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}', piece)
+    assert [c["function"]["name"] for c in tagged.tool_calls] == ["get_time"] and tagged.content == ""
+    # Text that is not a call stays content, as the model wrote it.
+    prose = read(OutputParser(ToolFormat.LLAMA3_JSON, reasoning=False), 'It is {"warm": true} in Rome.', piece)
+    assert prose.tool_calls == [] and prose.content == 'It is {"warm": true} in Rome.'
+    not_calls = read(OutputParser(ToolFormat.MISTRAL, reasoning=False), "[TOOL_CALLS] [oops", piece)
+    assert not_calls.tool_calls == [] and not_calls.content == "[TOOL_CALLS] [oops"

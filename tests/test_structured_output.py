@@ -165,3 +165,25 @@ async def test_n_choices_stream_with_their_index_and_share_the_prompt_in_the_cac
     finishes = [chunk.choices[0] for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason]
     assert indexes == {0, 1} and sorted(choice.index for choice in finishes) == [0, 1]
     assert [choice.index for choice in texts.choices] == [0, 1] and all(choice.text for choice in texts.choices)
+
+
+async def test_best_of_returns_the_n_most_likely_of_its_candidates(bus: Bus) -> None:
+    async with openai_sdk(bus) as sdk:
+        asked = {"model": DEFAULT_MODEL, "prompt": "The three best things about the sea are", "max_tokens": 8,
+                 "temperature": 1.0, "seed": 11}
+        # Candidate i is drawn with seed + i, as choice i of n = 4 is: the four candidates, each with its logprobs.
+        candidates = await sdk.completions.create(**asked, n=4, logprobs=1)
+        best = await sdk.completions.create(**asked, n=2, best_of=4)
+        best_with_logprobs = await sdk.completions.create(**asked, n=1, best_of=4, logprobs=1)
+        with pytest.raises(openai.BadRequestError, match="best_of"):
+            await sdk.completions.create(**asked, n=3, best_of=2)
+
+    def mean(choice) -> float:  # type: ignore[no-untyped-def]
+        return sum(choice.logprobs.token_logprobs) / len(choice.logprobs.token_logprobs)
+
+    ranked = [choice.text for choice in sorted(candidates.choices, key=mean, reverse=True)]
+    assert [choice.text for choice in best.choices] == ranked[:2] and [c.index for c in best.choices] == [0, 1]
+    assert best.choices[0].logprobs is None  # not asked for: used for the ranking only
+    assert best_with_logprobs.choices[0].text == ranked[0] and best_with_logprobs.choices[0].logprobs is not None
+    # Every candidate was generated, so every candidate's tokens count.
+    assert best.usage.completion_tokens == candidates.usage.completion_tokens

@@ -533,6 +533,9 @@ def gateway(
     reasoning_parser: Annotated[bool, typer.Option("--reasoning-parser", help=(
         "Reasoning models (DeepSeek-R1, Qwen3, QwQ): an answer opening with <think> has that part returned as "
         "reasoning_content."))] = False,
+    tool_call_parser: Annotated[list[str] | None, typer.Option("--tool-call-parser", help=(
+        "How models write tool calls: hermes (default; Qwen, Hermes, SmolLM3), mistral, llama3_json; or MODEL=FORMAT "
+        "for one model (repeat for several)."))] = None,
     allow_lora_updates: Annotated[bool, typer.Option("--allow-lora-updates", help=(
         "Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (anyone who reaches the API can then change "
         "the adapters served)."))] = False,
@@ -546,6 +549,7 @@ def gateway(
 
     configure_logging(log_level)
     nats_settings, bus_settings = load_settings(nats, namespace)
+    default_format, per_model = _tool_formats(tool_call_parser or [])
 
     async def run() -> None:
         import signal
@@ -555,12 +559,31 @@ def gateway(
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
         async with open_client(nats_settings, bus_settings, "conveyor-gateway") as client:
-            async with serving(client, GatewayOptions(host, port, first_token_timeout_s, reasoning_parser=reasoning_parser,
-                                                            allow_lora_updates=allow_lora_updates)) as bound:
+            async with serving(client, GatewayOptions(
+                    host, port, first_token_timeout_s, reasoning_parser=reasoning_parser,
+                    allow_lora_updates=allow_lora_updates, tool_call_parser=default_format,
+                    tool_call_parsers=per_model)) as bound:
                 typer.echo(f"[conveyor] OpenAI API on http://{host}:{bound}/v1", err=True)
                 await stop.wait()
 
     run_loop(run())
+
+
+def _tool_formats(choices: list[str]) -> tuple[Any, dict[str, Any]]:
+    """`--tool-call-parser` values: a format for every model, or MODEL=FORMAT for one."""
+    from workers.output_parsing import ToolFormat
+
+    default, per_model = ToolFormat.HERMES, {}
+    names = ", ".join(f.value for f in ToolFormat if f != ToolFormat.JSON)
+    for choice in choices:
+        model, _, name = choice.rpartition("=")
+        if name not in names.split(", "):
+            raise typer.BadParameter(f"unknown tool-call format {name!r}; known: {names}", param_hint="--tool-call-parser")
+        if model:
+            per_model[model] = ToolFormat(name)
+        else:
+            default = ToolFormat(name)
+    return default, per_model
 
 
 lora_app = typer.Typer(help="LoRA adapters: serve one on every LLM worker of its base model, stop serving it, list them.",

@@ -153,7 +153,7 @@ class DecodeStage:
             resumed=ResumedOutput(resumed.token_ids, resumed.text) if resumed is not None else None,
         )
         async with delivery.reply as reply:
-            if request.sampling.n > 1:
+            if request.sampling.n > 1 or (request.sampling.best_of or 1) > 1:
                 outcome = await self._stream_choices(task, request, reply, delivery)
             else:
                 outcome = await self._stream(task, request, reply, delivery, len(generated))
@@ -186,8 +186,8 @@ class DecodeStage:
         # (disaggregated) a prompt this decode engine cannot run itself.
         local_prefill = task.bootstrap is None or self._runs_prompts_itself(task)
         images_lost = bool(request.media) and not self.accepts_media
-        if (request.guided is not None or request.sampling.n > 1 or images_lost or not local_prefill
-                or request.session is not None):
+        several = request.sampling.n > 1 or request.sampling.best_of is not None
+        if request.guided is not None or several or images_lost or not local_prefill or request.session is not None:
             return "not_migratable"
         if progress.migrations >= self._migration.limit:
             return "over_limit"
@@ -246,16 +246,25 @@ class DecodeStage:
 
     async def _stream_choices(self, task: DecodeTask, request: GenerateRequest, reply: ReplySender,
                               delivery: Delivery) -> str:
-        """`n` > 1: n generations of the prompt, streamed with their `index`. Choice 0 starts first and the others
-        once it has streamed, so they find the prompt in the prefix cache instead of computing it again."""
+        """`n` > 1 or `best_of`: several generations of the prompt. Choice 0 starts first and the others once it has
+        streamed, so they find the prompt in the prefix cache instead of computing it again. With n alone each
+        streams with its `index`; with best_of every candidate is held until all finished, and the n with the
+        highest mean token log-probability are sent, as choices 0..n-1."""
         if request.bootstrap is not None:
-            raise RejectRequest(ErrorCode.UNSUPPORTED, "n > 1 runs on aggregated decode workers (the prompt's KV "
-                                "arrives once, for one generation)")
-        seed = request.sampling.seed
-        choices = [replace(request, request_id=f"{request.request_id}.{index}", sampling=request.sampling.model_copy(
-            update={"n": 1, "seed": None if seed is None else seed + index})) for index in range(request.sampling.n)]
+            raise RejectRequest(ErrorCode.UNSUPPORTED, "n > 1 and best_of run on aggregated decode workers (the "
+                                "prompt's KV arrives once, for one generation)")
+        sampling = request.sampling
+        num_candidates = sampling.best_of or sampling.n
+        ranked = num_candidates > sampling.n
+        # Ranking needs each token's log-probability, asked for whether or not the client wants them.
+        output = request.output.model_copy(update={"logprobs": True}) if ranked else request.output
+        choices = [replace(request, request_id=f"{request.request_id}.{index}", output=output,
+                           sampling=sampling.model_copy(update={
+                               "n": 1, "best_of": None, "seed": None if sampling.seed is None else sampling.seed + index}))
+                   for index in range(num_candidates)]
         prompt_cached = asyncio.Event()
         finals: dict[int, GenerateOutput] = {}
+        held: dict[int, list[GenerateOutput]] = {index: [] for index in range(num_candidates)}
 
         async def run(index: int) -> None:
             shape = _Shaper(task, self.model, index=index)
@@ -267,11 +276,12 @@ class DecodeStage:
                     prompt_cached.set()
                     if output.finished:
                         finals[index] = output
-                        if output.token_ids or output.text or shape.wants_openai:
-                            await reply.send_tokens(output.token_ids, index=index,
-                                                    **shape.chunk(output, final_reason=output.finish_reason))
+                    if ranked:
+                        held[index].append(output)
+                    else:
+                        await _send_choice(reply, shape, output)
+                    if output.finished:
                         return
-                    await reply.send_tokens(output.token_ids, index=index, **shape.chunk(output))
             finally:
                 prompt_cached.set()  # choice 0 failed before streaming: the others go on their own
                 stopper.cancel()
@@ -283,6 +293,12 @@ class DecodeStage:
                     group.create_task(run(index))
         except* UnsupportedOption as errors:
             raise RejectRequest(ErrorCode.UNSUPPORTED, str(errors.exceptions[0])) from None
+        if ranked and len(finals) == num_candidates:
+            keep_logprobs = request.output.logprobs
+            for rank, index in enumerate(sorted(held, key=lambda i: -_mean_logprob(held[i]))[:sampling.n]):
+                shape = _Shaper(task, self.model, index=rank)
+                for output in held[index]:
+                    await _send_choice(reply, shape, output if keep_logprobs else replace(output, logprobs=None))
         return await self._finish_choices(finals, len(choices), len(request.token_ids), reply)
 
     async def _finish_choices(self, finals: dict[int, GenerateOutput], num_choices: int, prompt_tokens: int,
@@ -329,6 +345,10 @@ class _Shaper:
         self._sent_role = role_sent
 
     @property
+    def index(self) -> int:
+        return self._index
+
+    @property
     def wants_openai(self) -> bool:
         return self._format == StreamFormat.OPENAI
 
@@ -348,6 +368,20 @@ class _Shaper:
                 usage=usage,
             )
         return fields
+
+
+async def _send_choice(reply: ReplySender, shape: _Shaper, output: GenerateOutput) -> None:
+    """One choice's delta, or its end: the OpenAI shape gives each choice a finish chunk of its own."""
+    if not output.finished:
+        await reply.send_tokens(output.token_ids, index=shape.index, **shape.chunk(output))
+    elif output.token_ids or output.text or shape.wants_openai:
+        await reply.send_tokens(output.token_ids, index=shape.index, **shape.chunk(output, final_reason=output.finish_reason))
+
+
+def _mean_logprob(outputs: list[GenerateOutput]) -> float:
+    """How likely a candidate is, per token: OpenAI's best_of criterion."""
+    logprobs = [entry.logprob for output in outputs for entry in output.logprobs or []]
+    return sum(logprobs) / len(logprobs) if logprobs else float("-inf")
 
 
 def _remaining(stop: StopConditions, num_streamed: int) -> StopConditions:

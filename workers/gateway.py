@@ -23,7 +23,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -109,17 +109,19 @@ class ChatBody(_OpenAIBody):
     tools: list[ToolSpec] | None = None
     tool_choice: str | NamedToolChoice | None = None
 
-    def output_parser(self, reasoning: bool) -> OutputParser | None:
-        """How the answer's text is read back: tool calls when tools may be called, reasoning when configured."""
+    def output_parser(self, reasoning: bool, tool_format: ToolFormat) -> OutputParser | None:
+        """How the answer's text is read back: tool calls (in the model's format; a constrained call is plain JSON)
+        when tools may be called, reasoning when configured."""
         calls = None
         if self.tools and self.tool_choice != "none":
-            calls = ToolFormat.HERMES if self.tool_choice in (None, "auto") else ToolFormat.JSON
+            calls = tool_format if self.tool_choice in (None, "auto") else ToolFormat.JSON
         return OutputParser(calls, reasoning) if calls is not None or reasoning else None
 
 
 class CompletionBody(_OpenAIBody):
     prompt: str | list[int]
     logprobs: int | None = None
+    best_of: int | None = None
 
 
 class EmbeddingBody(BaseModel):
@@ -159,6 +161,12 @@ class GatewayOptions:
     reasoning_parser: bool = False
     # Serve /v1/load_lora_adapter and /v1/unload_lora_adapter (off: anyone reaching the API could change models).
     allow_lora_updates: bool = False
+    # How models write tool calls (`auto` tool choice): this format, unless the model has one of its own here.
+    tool_call_parser: ToolFormat = ToolFormat.HERMES
+    tool_call_parsers: dict[str, ToolFormat] = field(default_factory=dict)
+
+    def tool_format(self, model: str) -> ToolFormat:
+        return self.tool_call_parsers.get(model, self.tool_call_parser)
 
 
 class LoadLoraBody(BaseModel):
@@ -270,7 +278,7 @@ class Gateway:
             model=body.model, messages=body.messages, stream_format=StreamFormat.OPENAI, logprobs=body.logprobs,
             top_logprobs=body.top_logprobs, response_format=body.response_format, **body.generation_fields(),
         )
-        parser = body.output_parser(self._options.reasoning_parser)
+        parser = body.output_parser(self._options.reasoning_parser, self._options.tool_format(body.model))
         if parser is not None and body.n > 1:
             raise OpenAIError(400, "n > 1 cannot be combined with tools or the reasoning parser here")
         return await self._serve(request, message, body, chat=True, parser=parser)

@@ -481,6 +481,7 @@ def preprocess(request: GenerationRequest, token_ids: list[int], model: ServedMo
             temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
             frequency_penalty=request.frequency_penalty, presence_penalty=request.presence_penalty,
             repetition_penalty=request.repetition_penalty, seed=request.seed, n=request.n,
+            best_of=request.best_of if isinstance(request, CompletionRequest) else None,
         ),
         stop=StopConditions(
             # Unset means "until the context is full", like OpenAI; a larger ask is clamped to fit.
