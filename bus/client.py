@@ -25,7 +25,7 @@ from bus.replies import ReplyStream
 from bus.settings import BusSettings, NatsSettings
 from bus.streams import ensure_registry_bucket
 from bus.subjects import Names
-from bus.tracing import TraceContext
+from bus.tracing import TraceContext, stage_span
 from schemas.client import ChatRequest, CompletionRequest, EmbeddingRequest, ImageRequest
 from schemas.control import LoraAdapter
 from schemas.registry import Stage, WorkerCard
@@ -44,9 +44,11 @@ class PipelineClient:
     def new_inbox(self) -> str:
         return self._nc.new_inbox()
 
-    async def submit(self, request: ClientRequestModel, first_frame_timeout_s: float = 60.0) -> ReplyStream:
+    async def submit(self, request: ClientRequestModel, first_frame_timeout_s: float = 60.0,
+                     trace: TraceContext | None = None) -> ReplyStream:
         """Subscribe to the request's inbox, then publish it; read the returned stream with
-        `async with stream:` ... `async for chunk in stream`."""
+        `async with stream:` ... `async for chunk in stream`. `trace`: the caller's trace (an HTTP request's
+        `traceparent`) that the request's spans join; a new trace otherwise."""
         stream = ReplyStream(
             self._nc,
             request.reply_to,
@@ -56,7 +58,8 @@ class PipelineClient:
         )
         await stream.__aenter__()
         try:
-            published = await self._publisher.publish(Stage.PROCESSOR, request, request.request_id, TraceContext.new())
+            with stage_span("submit", trace or TraceContext.new(), request_id=request.request_id) as hop:
+                published = await self._publisher.publish(Stage.PROCESSOR, request, request.request_id, hop)
         except BaseException:
             await stream.close()
             raise

@@ -65,7 +65,7 @@ from bus.router import unpin
 from bus.settings import BusSettings
 from bus.streams import ensure_work_consumer, pinned_consumer_config, work_consumer_config
 from bus.subjects import Names
-from bus.tracing import TraceContext
+from bus.tracing import TraceContext, stage_span
 from schemas.client import Inbox, RequestId
 from schemas.codec import WireVersionMismatch, check_wire_version, unpack
 from schemas.registry import Stage
@@ -346,12 +346,16 @@ class WorkConsumer(Generic[TaskT]):
             await reply.finish(FinishReason.CANCELLED, Usage.of(0, 0))
             await self._ack(msg, "cancelled")
             return
-        with self._cancels.watch(task.request_id, task.reply_to) as cancelled:
+        incoming = TraceContext.from_headers(msg.headers)
+        with (self._cancels.watch(task.request_id, task.reply_to) as cancelled,
+              stage_span(self.stage.value, incoming, request_id=task.request_id, worker_id=self._worker_id,
+                         delivery=_deliveries(msg)) as trace,
+              structlog.contextvars.bound_contextvars(trace_id=trace.trace_id)):
             delivery = Delivery(
                 request_id=task.request_id,
                 num_delivered=_deliveries(msg),
                 queued_s=_queued_s(msg),
-                trace=TraceContext.from_headers(msg.headers).child(),
+                trace=trace,
                 cancelled=cancelled,
                 reply=reply,
                 progress=progress,

@@ -6,9 +6,13 @@ request's path through processor, prefill and decode back together.
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 TRACEPARENT_HEADER = "traceparent"
 _TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
@@ -39,3 +43,55 @@ class TraceContext:
     @property
     def traceparent(self) -> str:
         return f"00-{self.trace_id}-{self.span_id}-{'01' if self.sampled else '00'}"
+
+
+# ----- OpenTelemetry export (the `otel` extra) -----------------------------------------------------------------------
+#
+# With an exporter configured, each stage's handling of a task is one span: its parent is the span id of the
+# incoming `traceparent`, and the span's own id is what the next hop's `traceparent` carries, so one request is one
+# trace across gateway → processor → encode → prefill → decode. Without one, nothing is imported or recorded.
+
+_tracer: Any = None
+
+
+def configure_tracing(service_name: str, endpoint: str | None = None, exporter: Any = None) -> bool:
+    """Export spans over OTLP/HTTP to `endpoint` (default: CONVEYOR_OTLP_ENDPOINT, then OTel's own
+    OTEL_EXPORTER_OTLP_ENDPOINT), or to `exporter` (tests); False when neither is set. Raises ImportError naming the
+    extra when the packages are missing."""
+    global _tracer
+    endpoint = endpoint or os.environ.get("CONVEYOR_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if exporter is None and not endpoint:
+        return False
+    try:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+    except ImportError as error:
+        raise ImportError("OTLP export needs the otel extra: pip install 'conveyor[otel]'") from error
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    if exporter is None:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        url = endpoint if endpoint.rstrip("/").endswith("/v1/traces") else endpoint.rstrip("/") + "/v1/traces"
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url)))
+    else:
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    _tracer = provider.get_tracer("conveyor")
+    return True
+
+
+@contextmanager
+def stage_span(name: str, incoming: TraceContext, **attributes: str | int) -> Iterator[TraceContext]:
+    """This hop's context for the next: a span of its own when exporting, else a fresh span id."""
+    if _tracer is None:
+        yield incoming.child()
+        return
+    from opentelemetry import trace
+
+    parent = trace.set_span_in_context(trace.NonRecordingSpan(trace.SpanContext(
+        trace_id=int(incoming.trace_id, 16), span_id=int(incoming.span_id, 16), is_remote=True,
+        trace_flags=trace.TraceFlags(1 if incoming.sampled else 0))))
+    with _tracer.start_as_current_span(name, context=parent, kind=trace.SpanKind.CONSUMER,
+                                       attributes=attributes) as span:
+        context = span.get_span_context()
+        yield TraceContext(trace_id=incoming.trace_id, span_id=f"{context.span_id:016x}", sampled=incoming.sampled)

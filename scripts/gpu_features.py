@@ -118,9 +118,13 @@ def lora_checks(base: str, model: str, adapter: str) -> Iterator[tuple[str, bool
         with urllib.request.urlopen(f"{base}/v1/models", timeout=10) as response:
             listed = json.loads(response.read())["data"]
         yield "lora in /v1/models", any(m["id"] == "tuned" and m["parent"] == model for m in listed), json.dumps(listed)[:200]
-        plain = post(base, "/v1/chat/completions", ask | {"model": model})["choices"][0]["message"]["content"]
-        tuned = post(base, "/v1/chat/completions", ask | {"model": "tuned"})["choices"][0]["message"]["content"]
-        yield "lora changes the answer", plain != tuned, json.dumps([plain, tuned])[:200]
+        # The first token's log-probability shows the adapter at work even where greedy text does not change.
+        plain, tuned = (post(base, "/v1/chat/completions", ask | {"model": name, "logprobs": True})["choices"][0]
+                        for name in (model, "tuned"))
+        first = [choice["logprobs"]["content"][0]["logprob"] for choice in (plain, tuned)]
+        texts = [choice["message"]["content"] for choice in (plain, tuned)]
+        yield "lora changes the answer", texts[0] != texts[1] or abs(first[0] - first[1]) > 1e-3, \
+            json.dumps({"texts": texts, "first_logprobs": first})[:300]
     except Exception as error:
         yield "lora request", False, f"{type(error).__name__}: {error}"
     unloaded = subprocess.run([sys.executable, "-m", "workers.cli", "lora", "unload", "tuned"], cwd=ROOT,
@@ -131,7 +135,8 @@ def lora_checks(base: str, model: str, adapter: str) -> Iterator[tuple[str, bool
 def expert_checks() -> Iterator[tuple[str, bool, str]]:
     """start / stop / dump of the expert-distribution recorder on the decode worker (a dense model may refuse)."""
     status = subprocess.run([sys.executable, "-m", "workers.cli", "status"], cwd=ROOT, capture_output=True, text=True)
-    urls = re.findall(r"(http://\S+)/metrics", status.stdout)
+    urls = [match for line in status.stdout.splitlines() if " decode " in line
+            for match in re.findall(r"(http://\S+)/metrics", line)]
     for action in ("start", "stop", "dump"):
         try:
             answer = post(urls[-1], f"/engine/{action}_expert_distribution_record", {})
@@ -154,10 +159,17 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--start-timeout-s", type=float, default=420)
     parser.add_argument("--lora", help="A PEFT adapter directory for the model: served, asked, unloaded.")
+    parser.add_argument("--load-format", default="dummy", help="dummy (random weights from config.json) or auto. "
+                        "SGLang loads no LoRA adapter onto a dummy-loaded model: give --lora a model with weights.")
+    parser.add_argument("--expert-recorder", help="Start the engine with this expert-distribution recorder mode (stat, "
+                        "per_pass, ...); without one the recorder routes are refused.")
     args = parser.parse_args()
-    env = os.environ | ({"CONVEYOR_SGLANG_ENABLE_LORA": "true"} if args.lora else {})
+    # Random weights fill JSON with legal whitespace until max_tokens unless SGLang's grammar forbids it.
+    env = os.environ | {"CONVEYOR_SGLANG_EXTRA_SERVER_ARGS": json.dumps({"constrained_json_disable_any_whitespace": True})}
+    env |= {"CONVEYOR_SGLANG_ENABLE_LORA": "true"} if args.lora else {}
+    env |= {"CONVEYOR_SGLANG_EXPERT_DISTRIBUTION_RECORDER_MODE": args.expert_recorder} if args.expert_recorder else {}
     up = subprocess.Popen([sys.executable, "-m", "workers.cli", "up", "--engine", "sglang", "--model", args.model,
-                           "--load-format", "dummy", "--gateway", "--gateway-port", str(args.port)],
+                           "--load-format", args.load_format, "--gateway", "--gateway-port", str(args.port)],
                           cwd=ROOT, env=env)
     base = f"http://127.0.0.1:{args.port}"
     try:

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from schemas.replies import FinishReason
 from schemas.sampling import GuidedDecoding, SamplingOptions, StopConditions
-from workers.engines.protocol import DisaggregationRole, Engine, GenerateRequest, UnsupportedOption
+from workers.engines.protocol import DisaggregationRole, Engine, ExpertRecording, GenerateRequest, UnsupportedOption
 from workers.engines.sglang_engine import (
     KvEventRelay,
     SGLangEngine,
@@ -223,3 +223,11 @@ async def test_lora_on_an_sglang_engine_started_without_it_is_refused_with_the_s
         await engine.load_lora("a", "/adapters/a")
     with pytest.raises(UnsupportedOption, match="not loaded"):
         await anext(engine.generate(GenerateRequest("r", [1, 2], lora_name="a")))
+
+
+async def test_the_expert_recorder_is_refused_unless_the_engine_started_with_one() -> None:
+    # On the H100 SGLang's scheduler died on start_expert_distribution_record without a recorder mode.
+    engine = SGLangEngine(SGLangEngineConfig(model_path="/models/x", expert_distribution_recorder_mode=None,
+                                             enable_eplb=False))
+    with pytest.raises(UnsupportedOption, match="EXPERT_DISTRIBUTION_RECORDER_MODE"):
+        await engine.record_experts(ExpertRecording.START)

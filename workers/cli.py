@@ -550,6 +550,9 @@ def gateway(
     configure_logging(log_level)
     nats_settings, bus_settings = load_settings(nats, namespace)
     default_format, per_model = _tool_formats(tool_call_parser or [])
+    from bus.tracing import configure_tracing
+
+    configure_tracing("conveyor-gateway")
 
     async def run() -> None:
         import signal

@@ -35,6 +35,7 @@ from bus.client import PipelineClient
 from bus.errors import RejectRequest, RemoteError, ReplyGap, ReplyStreamBroken
 from bus.registry import ready_models, served_adapters
 from bus.replies import ReplyStream
+from bus.tracing import TraceContext
 from schemas.client import (
     ChatMessage,
     ChatRequest,
@@ -299,7 +300,8 @@ class Gateway:
         message = _build(EmbeddingRequest, request_id=f"embd-{uuid.uuid4().hex[:24]}", reply_to=self._client.new_inbox(),
                          model=body.model, input=body.input, encoding_format=body.encoding_format,
                          dimensions=body.dimensions)
-        stream = await self._client.submit(message, first_frame_timeout_s=self._options.first_token_timeout_s)
+        stream = await self._client.submit(message, first_frame_timeout_s=self._options.first_token_timeout_s,
+                                           trace=TraceContext.from_headers(request.headers))
         async with stream:
             _, result = await _collect(stream)
         if not isinstance(result, EmbeddingResult):
@@ -316,7 +318,8 @@ class Gateway:
         await self._require_model(body.model)
         message = _build(ImageRequest, request_id=f"img-{uuid.uuid4().hex[:24]}", reply_to=self._client.new_inbox(),
                          **body.model_dump())
-        async with await self._client.submit(message, first_frame_timeout_s=self._options.first_token_timeout_s) as stream:
+        async with await self._client.submit(message, first_frame_timeout_s=self._options.first_token_timeout_s,
+                                             trace=TraceContext.from_headers(request.headers)) as stream:
             async with _as_http_errors():
                 images, result = await stream.collect_images()
         if not isinstance(result, ImageResult):
@@ -328,8 +331,10 @@ class Gateway:
 
     async def _serve(self, http: web.Request, message: ChatRequest | CompletionRequest, body: _OpenAIBody,
                      chat: bool, parser: OutputParser | None = None) -> web.StreamResponse:
-        structlog.contextvars.bind_contextvars(request_id=message.request_id)
-        stream = await self._client.submit(message, first_frame_timeout_s=self._options.first_token_timeout_s)
+        trace = TraceContext.from_headers(http.headers)  # the HTTP client's traceparent, if it sent one
+        structlog.contextvars.bind_contextvars(request_id=message.request_id, trace_id=trace.trace_id)
+        stream = await self._client.submit(message, first_frame_timeout_s=self._options.first_token_timeout_s,
+                                           trace=trace)
         shape = _Shape(message.request_id, body.model, chat, parser)
         try:
             async with stream:

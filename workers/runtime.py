@@ -46,6 +46,7 @@ from bus.router import Router, RouterOptions
 from bus.settings import BusSettings, NatsSettings
 from bus.streams import declare_all, declare_all_when_ready, ensure_registry_bucket
 from bus.subjects import Names
+from bus.tracing import configure_tracing
 from schemas.codec import WIRE_VERSION, encode
 from schemas.registry import BootstrapEndpoint, KvCapacity, ServingMode, Stage, WorkerCard, WorkerLoad
 from schemas.control import LoraAdapter, LoraName
@@ -184,6 +185,8 @@ class WorkerRuntime:
         """Serve until `request_stop()` or a signal, then shut down cleanly."""
         stage_value = self.options.stage.value
         structlog.contextvars.bind_contextvars(stage=stage_value, worker_id=self.options.worker_id)
+        if configure_tracing(f"conveyor-{stage_value}"):
+            log.info("worker.tracing", exporter="otlp")
         nc = await connect(self._nats, name=f"conveyor-{stage_value}-{self.options.worker_id}",
                            on_reconnected=self._on_reconnected)
         js = nc.jetstream()

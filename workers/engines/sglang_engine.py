@@ -485,7 +485,6 @@ class SGLangEngine:
             kwargs["session_params"] = {"id": request.session.id, "rid": await self._session_turn(request)}
         stream = await self._engine.async_generate(**kwargs)
         finished = False
-        completed = False
         try:
             async for item in stream:
                 meta = item.get("meta_info", {})
@@ -494,6 +493,9 @@ class SGLangEngine:
                 if not token_ids and reason is None:
                     continue  # an idle tick
                 finished = reason is not None
+                if finished and request.session is not None:
+                    # Before the final output goes out: its reader stops reading there, and the next turn may come.
+                    await self._end_turn(request, completed=reason in (FinishReason.STOP, FinishReason.LENGTH))
                 prompt_tokens = int(meta.get("prompt_tokens", len(request.token_ids)))
                 yield GenerateOutput(
                     token_ids=token_ids,
@@ -507,13 +509,12 @@ class SGLangEngine:
                     error=error,
                 )
                 if finished:
-                    completed = reason in (FinishReason.STOP, FinishReason.LENGTH)
                     return
         finally:
             if not finished:
                 await self.abort(request.request_id)
-            if request.session is not None:
-                await self._end_turn(request, completed)
+                if request.session is not None:
+                    await self._end_turn(request, completed=False)
 
     async def abort(self, request_id: str) -> None:
         if self._engine is not None:
@@ -659,6 +660,10 @@ class SGLangEngine:
             await self._engine.tokenizer_manager.close_session(CloseSessionReqInput(session_id=session.id), None)
 
     async def record_experts(self, action: ExpertRecording) -> None:
+        if self.config.expert_distribution_recorder_mode is None and not self.config.enable_eplb:
+            # Found on the H100: without a recorder mode SGLang's scheduler raises on this call and the engine dies.
+            raise UnsupportedOption("the expert-distribution recorder is off: start the engine with "
+                                    "CONVEYOR_SGLANG_EXPERT_DISTRIBUTION_RECORDER_MODE=stat (or per_pass, per_token)")
         manager = self._engine.tokenizer_manager
         operation = {ExpertRecording.START: manager.start_expert_distribution_record,
                      ExpertRecording.STOP: manager.stop_expert_distribution_record,

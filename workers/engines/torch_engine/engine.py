@@ -235,13 +235,23 @@ class TorchEngine:
         try:
             async for output in self._generate(request):
                 completion += output.token_ids
-                if output.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-                    session.token_ids = request.token_ids + completion  # the turn joins the conversation
+                if output.finished:
+                    # Before the final output goes out: its reader stops reading there, and the next turn may come.
+                    self._end_turn(request, session, completion if output.finish_reason in (
+                        FinishReason.STOP, FinishReason.LENGTH) else None)
                 yield output
         finally:
-            session.running, session.used_at_s = False, time.monotonic()
-            if request.session is not None and request.session.closes:
-                self._sessions.pop(request.session.id, None)
+            if session.running:  # stopped early (cancelled, the reader went away): the turn is not kept
+                self._end_turn(request, session, None)
+
+    def _end_turn(self, request: GenerateRequest, session: _Session, completion: list[int] | None) -> None:
+        """A finished turn joins the conversation (None: it did not finish; the conversation stays as it was)."""
+        assert request.session is not None
+        if completion is not None:
+            session.token_ids = request.token_ids + completion
+        session.running, session.used_at_s = False, time.monotonic()
+        if request.session.closes:
+            self._sessions.pop(request.session.id, None)
 
     def _session_for(self, request: GenerateRequest) -> _Session:
         """The session a request continues (opened when it is the first); refused when this engine does not hold it."""
