@@ -7,7 +7,11 @@ COPY bus ./bus
 COPY schemas ./schemas
 COPY workers ./workers
 COPY scripts ./scripts
-RUN bash scripts/setup.sh && rm -rf /root/.cache/pip
+# The extras to install: torch,nixl for the CPU stages; torch,sglang for compose's gpu profile.
+ARG EXTRAS=torch,nixl
+# Empty: the CPU build of torch. The GPU image sets the CUDA build SGLang pins (torch==2.11.0).
+ARG TORCH_SPEC=
+RUN CONVEYOR_EXTRAS="$EXTRAS" CONVEYOR_TORCH_SPEC="$TORCH_SPEC" bash scripts/setup.sh && rm -rf /root/.cache/pip
 ENV PATH="/app/.venv/bin:${PATH}" \
     CONVEYOR_MODEL_CACHE=/models
 # Convert the bundled model once at build time, so replicas start from safetensors.

@@ -215,6 +215,13 @@ class WorkConsumer(Generic[TaskT]):
             assert config.durable_name is not None
             self._pinned = await self._js.pull_subscribe_bind(durable=config.durable_name, stream=stream)
 
+    async def queue_depth(self) -> tuple[int, int]:
+        """The shared queue as JetStream counts it: tasks waiting for a worker, and tasks delivered but not yet acked
+        (being worked on, by any replica)."""
+        info = await self._js.consumer_info(self._names.work_stream(self.stage),
+                                            self._names.work_consumer(self.stage, self.model))
+        return info.num_pending or 0, info.num_ack_pending or 0
+
     async def declare(self) -> str:
         """Declare the shared durable consumer (idempotent; again after a server lost it); its name."""
         max_ack_pending = max(1024, self._options.max_concurrency * 64)

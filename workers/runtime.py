@@ -38,7 +38,8 @@ from bus.connection import connect
 from bus.consumer import ConsumerOptions, Delivery, WorkConsumer
 from bus.kv_events import KvEventPublisher
 from bus.lifecycle import sleep_unless, stop_tasks
-from bus.metrics import CACHE_HIT_RATE, ENGINE_RUNNING, ENGINE_WAITING, KV_EVENT_BATCHES, KV_USAGE, WORKER_READY
+from bus.metrics import (CACHE_HIT_RATE, ENGINE_RUNNING, ENGINE_WAITING, KV_EVENT_BATCHES, KV_USAGE, QUEUE_TASKS,
+                         WORKER_READY)
 from bus.publish import TaskPublisher
 from bus.registry import Registration, live_workers
 from bus.sessions import SessionPlaces, ensure_session_bucket
@@ -401,6 +402,19 @@ class WorkerRuntime:
                 CACHE_HIT_RATE.labels(**labels).set(load.cache_hit_rate)
             if self._registration is not None and self._not_ready_reason in (None, "canary failed"):
                 self._registration.refresh(self._card(ready=self.ready))
+            await self._report_queue()
+
+    async def _report_queue(self) -> None:
+        if self._consumer is None:
+            return
+        labels = {"stage": self.options.stage.value, "model": self._stage.consumes_model or ""}
+        try:
+            waiting, delivered = await self._consumer.queue_depth()
+        except Exception as error:  # NATS away: the gauges keep their last values
+            log.debug("worker.queue_depth_failed", error=repr(error))
+            return
+        QUEUE_TASKS.labels(**labels, state="waiting").set(waiting)
+        QUEUE_TASKS.labels(**labels, state="delivered").set(delivered)
 
     async def _canary_loop(self) -> None:
         while not await sleep_unless(self._stopping, self.options.canary_interval_s):
