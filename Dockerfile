@@ -1,6 +1,8 @@
 # The Conveyor worker image: every stage runs from it (`conveyor worker <stage>`).
 # It installs with the same script as the README's quick start (CPU torch from PyTorch's CPU index).
-FROM python:3.11-slim
+# BASE: any image with Python 3.11+ and its venv module (a registry-less host builds one locally; README, Deployment).
+ARG BASE=python:3.11-slim
+FROM ${BASE}
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY bus ./bus

@@ -93,3 +93,38 @@ async def test_every_dashboard_query_names_metrics_the_workers_export(bus) -> No
     declared = set(re.findall(r"^# TYPE (conveyor_\w+)", exposition, re.M))
     assert referenced - declared == set(), "the dashboard queries metrics no worker declares"
     assert after_a_request <= referenced and after_a_request - with_samples == set()
+
+
+def _compose_runner() -> str | None:
+    """Why the stack cannot be started here, or None when it can (scripts/compose_local.sh has set this host up)."""
+    if shutil.which("podman") is None:
+        return ("no container engine: the docker client is here without an engine, and podman is not installed "
+                "(`bash scripts/compose_local.sh setup` installs and configures it on a Debian host)")
+    if not (COMPOSE.parent / ".compose-venv/bin/podman-compose").exists():
+        return "podman-compose is not installed (`bash scripts/compose_local.sh setup`)"
+    images = subprocess.run(["podman", "image", "exists", "localhost/conveyor:local"], capture_output=True)
+    if images.returncode != 0:
+        return "the conveyor:local image is not built (`bash scripts/compose_local.sh setup`)"
+    return None
+
+
+@pytest.mark.timeout(900)
+def test_the_compose_stack_answers_through_the_gateway_and_its_dashboard_has_data() -> None:
+    reason = _compose_runner()
+    if reason is not None:
+        pytest.skip(reason)
+    script = COMPOSE.parent / "scripts/compose_local.sh"
+    env = {**__import__("os").environ, "CONVEYOR_COMPOSE_PROJECT": "conveyor-test"}
+    try:
+        subprocess.run(["bash", str(script), "up"], check=True, env=env, capture_output=True, timeout=300)
+        subprocess.run(["bash", str(script), "scale", "2"], check=True, env=env, capture_output=True, timeout=300)
+        # A processor and two decode replicas.
+        checked = subprocess.run(["bash", str(script), "check", "--min-targets", "3"], env=env, capture_output=True,
+                                 text=True, timeout=600)
+    finally:
+        subprocess.run(["bash", str(script), "down"], env=env, capture_output=True, timeout=300)
+    results = [__import__("json").loads(line) for line in checked.stdout.splitlines() if line.startswith("{")]
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    scraped = next(r for r in results if r["check"] == "prometheus scrapes every worker")["detail"]
+    assert sum(target.startswith("decode@") for target in scraped) == 2  # --scale decode=2, both found by DNS
+    assert next(r for r in results if r["check"] == "gateway answers")["detail"]["answer"]
