@@ -136,7 +136,7 @@ def ready_models(cards: list[WorkerCard]) -> dict[str, ServingMode]:
 
 def _ready_base_models(cards: list[WorkerCard]) -> dict[str, ServingMode]:
     ready = [card for card in cards if card.ready]
-    processors = {card.model for card in ready if card.stage == Stage.PROCESSOR}
+    processors = {model for card in ready if card.stage == Stage.PROCESSOR for model in [card.model, *card.also_serves]}
     ready_stages: dict[tuple[str, ServingMode], set[Stage]] = {}
     for card in ready:
         if card.stage != Stage.PROCESSOR:

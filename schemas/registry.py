@@ -63,6 +63,8 @@ class WorkerCard(WireModel):
     # LoRA adapters its engine has loaded (requests may name them as their model), and those it could not load,
     # with the reason.
     lora_adapters: list[str] = Field(default_factory=list)
+    # A processor serving several models: the others beside `model` (processors share one queue, so each serves all).
+    also_serves: list[str] = Field(default_factory=list)
     lora_failures: dict[str, str] = Field(default_factory=dict)
     wire_version: int
 

@@ -58,3 +58,12 @@ def test_model_is_ready_only_when_every_stage_of_its_mode_is_ready() -> None:
     # A processor started without --mode still routes the disaggregated pipeline.
     assert ready_models([processor, card("f", Stage.PREFILL, mode=ServingMode.DISAGGREGATED),
                          card("d", Stage.DECODE, mode=ServingMode.DISAGGREGATED)]) == {"m": ServingMode.DISAGGREGATED}
+
+
+def test_a_processor_serving_several_models_counts_for_each() -> None:
+    # compose's embedding profile: one processor serves the LLM and the embedding model (processors share one queue).
+    processor = card("p", Stage.PROCESSOR).model_copy(update={"also_serves": ["minilm"]})
+    embed = card("e", Stage.EMBED, mode=ServingMode.EMBEDDING).model_copy(update={"model": "minilm"})
+    assert ready_models([processor, card("d", Stage.DECODE), embed]) == {"m": ServingMode.AGGREGATED,
+                                                                         "minilm": ServingMode.EMBEDDING}
+    assert ready_models([card("p", Stage.PROCESSOR), embed]) == {}

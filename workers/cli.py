@@ -300,7 +300,7 @@ def worker(
                         RouterOptions(RouterMode(router), router_overlap_weight, router_temperature,
                                       local_prefill_max_tokens), image_storage=storage)
     options = WorkerOptions(
-        stage=stage_kind, model=models[0], mode=serving_mode, engine_name=engine_kind.value, http_host=http_host,
+        stage=stage_kind, model=models[0], also_serves=tuple(models[1:]), mode=serving_mode, engine_name=engine_kind.value, http_host=http_host,
         http_port=http_port, max_concurrency=max_concurrency or _DEFAULT_CONCURRENCY.get(stage_kind, 32),
         shutdown_grace_s=shutdown_grace_s,
         coalesce_window_s=coalesce_ms / 1000,

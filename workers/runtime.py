@@ -72,6 +72,8 @@ class WorkerOptions:
     # How often the canary re-checks the engine while the worker runs.
     canary_interval_s: float = 30.0
     coalesce_window_s: float = 0.0
+    # A processor's other models (written in its card, so each counts as served).
+    also_serves: tuple[str, ...] = ()
     # Stop on SIGTERM / SIGINT (off when workers run inside another program, e.g. tests).
     handle_signals: bool = True
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()[:24]}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
@@ -351,6 +353,7 @@ class WorkerRuntime:
             accepts_media=self._stage.accepts_media,
             prefills_locally=engine is not None and engine.info.prefills_in_decode_role,
             lora_adapters=sorted(engine.loras()) if engine is not None else [],
+            also_serves=list(self.options.also_serves),
             lora_failures=dict(self._adapters.failures) if self._adapters is not None else {},
         )
 
