@@ -55,9 +55,12 @@ setup() {
 
 down() {
     "${COMPOSE[@]}" down -v >/dev/null 2>&1 || true
-    # podman-compose leaves scaled replicas behind; remove whatever the project still has.
-    local left; left=$(podman ps -aq --filter "label=io.podman.compose.project=$PROJECT")
-    [ -z "$left" ] || podman rm -f $left >/dev/null
+    # podman-compose leaves scaled replicas (and containers others depended on) behind: remove what the project has.
+    local left
+    for _ in 1 2; do
+        left=$(podman ps -aq --filter "label=io.podman.compose.project=$PROJECT")
+        [ -z "$left" ] || podman rm -f $left >/dev/null 2>&1 || true
+    done
     podman volume rm -f "${PROJECT}_nats-data" >/dev/null 2>&1 || true
 }
 
