@@ -70,6 +70,7 @@ from schemas.client import Inbox, RequestId
 from schemas.codec import WireVersionMismatch, check_wire_version, unpack
 from schemas.registry import Stage
 from schemas.replies import ErrorCode, FinishReason, Usage
+from schemas.tasks import Task
 
 log = structlog.get_logger(__name__)
 
@@ -126,6 +127,8 @@ class ConsumerOptions:
     journal_replies: bool = False
     # Also pull this worker's own pinned subject (a routed stage: a router may address it alone).
     pinned: bool = False
+    # The pool whose queue this worker pulls instead of the model's (bus/pools.py); None: the model's.
+    pool: str | None = None
 
 
 class WorkConsumer(Generic[TaskT]):
@@ -219,13 +222,14 @@ class WorkConsumer(Generic[TaskT]):
         """The shared queue as JetStream counts it: tasks waiting for a worker, and tasks delivered but not yet acked
         (being worked on, by any replica)."""
         info = await self._js.consumer_info(self._names.work_stream(self.stage),
-                                            self._names.work_consumer(self.stage, self.model))
+                                            self._names.work_consumer(self.stage, self.model, self._options.pool))
         return info.num_pending or 0, info.num_ack_pending or 0
 
     async def declare(self) -> str:
         """Declare the shared durable consumer (idempotent; again after a server lost it); its name."""
         max_ack_pending = max(1024, self._options.max_concurrency * 64)
-        config = work_consumer_config(self._names, self.stage, self.model, self._settings, max_ack_pending)
+        config = work_consumer_config(self._names, self.stage, self.model, self._settings, max_ack_pending,
+                                      self._options.pool)
         await ensure_work_consumer(self._js, config, self._names.work_stream(self.stage))
         assert config.durable_name is not None
         return config.durable_name
@@ -271,7 +275,8 @@ class WorkConsumer(Generic[TaskT]):
         if self._pinned is not None:
             # What routers pinned here and this worker will not run now goes to the other replicas (with NATS
             # away, the routers do it once this worker's card expires).
-            await _quietly(unpin(self._js, self._names, self._settings, self.stage, self.model, self._worker_id))
+            await _quietly(unpin(self._js, self._names, self._settings, self.stage, self.model, self._worker_id,
+                                 self._options.pool))
         self._subscription = self._pinned = None
 
     async def _fetch(self, subscription: JetStreamContext.PullSubscription, batch: int) -> list[Msg]:
@@ -347,6 +352,8 @@ class WorkConsumer(Generic[TaskT]):
             heartbeat_interval_s=self._settings.heartbeat_interval_s,
             journal=journal,
         )
+        if isinstance(task, Task) and task.header.first_reply_seq and progress is None:
+            reply.continue_from(task.header.first_reply_seq)  # handed over from another pool (bus/pools.py)
         if self._cancels.is_cancelled(task.request_id, task.reply_to):
             CANCELS.labels(where="queued").inc()
             log.info("task.dropped_cancelled")

@@ -70,7 +70,12 @@ UNPINNED_TASKS = Counter("conveyor_unpinned_tasks_total", "Pinned tasks moved ba
                          ["stage"])
 # Conditional disaggregation: where a disaggregated model's prompt ran. where: remote (a prefill worker) | local
 DISAGGREGATION_DECISIONS = Counter("conveyor_disaggregation_decisions_total",
-                                   "Prompts of disaggregated models, by where the router sent them", ["where"])
+                                   "Prompts of disaggregated models, by where the router sent them and why",
+                                   ["where", "why"])
+POOL_CHOICES = Counter("conveyor_pool_choices_total", "Tasks sent to each pool (bus/pools.py)",
+                       ["stage", "pool", "why"])
+POOL_HANDOVERS = Counter("conveyor_pool_handovers_total",
+                         "Tasks that failed before any output and were handed to a faster pool", ["stage", "pool"])
 
 QUEUE_TASKS = Gauge(
     "conveyor_queue_tasks",

@@ -43,17 +43,19 @@ class TaskPublisher:
 
     async def publish(
         self, stage: Stage, task: WireModel, request_id: str, trace: TraceContext, model: str | None = None,
-        worker_id: str | None = None,
+        worker_id: str | None = None, pool: str | None = None, msg_id: str | None = None,
     ) -> bool:
-        """Publish (to one replica's pinned subject when `worker_id` is given: bus/router.py); returns False
-        when JetStream discarded it as a duplicate."""
-        subject = (self._names.work_subject(stage, model) if worker_id is None
+        """Publish (to one replica's pinned subject when `worker_id` is given: bus/router.py; else to the queue of
+        `pool`, when given: bus/pools.py); returns False when JetStream discarded it as a duplicate. `msg_id` (the
+        deduplication key) defaults to the request id; a task sent again on purpose (a retry on another pool)
+        needs its own."""
+        subject = (self._names.work_subject(stage, model, pool) if worker_id is None
                    else self._names.pinned_subject(stage, model, worker_id))
         payload = encode(task)
         if len(payload) > self.max_message_bytes:
             raise PayloadTooLarge(subject, len(payload), self.max_message_bytes)
         headers = {
-            MSG_ID_HEADER: request_id,
+            MSG_ID_HEADER: msg_id or request_id,
             WIRE_VERSION_HEADER: str(WIRE_VERSION),
             TRACEPARENT_HEADER: trace.traceparent,
         }

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from types import TracebackType
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -118,6 +118,9 @@ class ReplySender:
         self._probe_grace_until = 0.0
         # A frame went out while the connection was down: it may be lost, even the terminal one.
         self.sent_while_away = False
+        self._handover: Callable[[ErrorCode, str], Awaitable[bool]] | None = None
+        # Anything but heartbeats went out (tokens, progress, a terminal frame): past this a failure is not handed over.
+        self._content_sent = False
 
     @property
     def closed(self) -> bool:
@@ -135,6 +138,11 @@ class ReplySender:
     def migrations(self) -> int:
         """Times this request moved to another replica mid-stream (told in the final frame)."""
         return self._journal.migrations if self._journal is not None else 0
+
+    def continue_from(self, seq: int) -> None:
+        """Number the stream from `seq`: the frames before it were sent by a worker that handed the task over."""
+        assert self._seq == 0
+        self._seq = seq
 
     async def resume(self, progress: Progress) -> None:
         """Take the stream over where a dead replica left it: go on with its numbering, and send its
@@ -192,7 +200,22 @@ class ReplySender:
         await self._send_terminal(FinalFrame, finish_reason=reason, usage=usage, matched_stop=matched_stop,
                                   migrations=self.migrations)
 
+    def hand_over_failures(self, handover: Callable[[ErrorCode, str], Awaitable[bool]]) -> None:
+        """Offer a failure that comes before anything but heartbeats went out to `handover` first (the task may be
+        sent to a faster pool: bus/pools.py). When it takes the request, no error frame is sent: the stream is left
+        to the worker that runs it now."""
+        self._handover = handover
+
     async def fail(self, code: ErrorCode, message: str, retryable: bool = False) -> None:
+        if not self._content_sent and self._handover is not None:
+            handover, self._handover = self._handover, None
+            # Closed first, so no heartbeat takes a number the next worker will use.
+            self._closed = True
+            async with self._lock:
+                pass  # a frame on its way out is numbered by now
+            if await handover(code, message):
+                return
+            self._closed = False
         ERRORS.labels(code=code.value).inc()
         await self._flush()
         await self._send_terminal(ErrorFrame, code=code, message=message, retryable=retryable)
@@ -325,6 +348,8 @@ class ReplySender:
         """
         if self._closed:
             raise RuntimeError(f"reply stream of {self.request_id} already ended")
+        if frame_type is not Heartbeat:
+            self._content_sent = True
         async with self._lock:
             if frame_type is TokenChunk:
                 payload = _chunk_payload(self.request_id, self._seq, fields)

@@ -80,7 +80,11 @@ class RouterOptions:
     temperature: float = 0.0
     # Conditional disaggregation: a disaggregated model's prompt with at most this many tokens to compute (beyond
     # what the best decode replica has cached) runs on a decode worker that can prefill itself. 0: never.
+    # Dynamo's `isl_bounding`.
     local_prefill_max_tokens: int = 0
+    # ... and so does any prompt while every prefill replica has more than this many prompt tokens waiting (reported,
+    # plus those this router sent since). 0: never. Dynamo's `prefill_load`; both set: `isl_or_load`.
+    prefill_busy_tokens: int = 0
     # How often a kv router stores its index (0: never); a router starting later resumes from the newest.
     snapshot_interval_s: float = 60.0
 
@@ -104,10 +108,10 @@ class Router:
         self._feed = KvEventFeed(js, names, KvIndex())
         self._turn = itertools.count()
         self._rng = random.Random()
-        # Prompt blocks sent to each worker lately: its card's KV use does not show them yet.
-        self._recent: dict[str, deque[tuple[float, int]]] = {}
-        # (stage, model, worker) this router pinned tasks to, to unpin when the worker is gone.
-        self._pinned_to: set[tuple[Stage, str, str]] = set()
+        # (when, prompt blocks, prompt tokens) sent to each worker lately: its card's KV use does not show them yet.
+        self._recent: dict[str, deque[tuple[float, int, int]]] = {}
+        # (stage, model, worker, its pool) this router pinned tasks to, to unpin when the worker is gone.
+        self._pinned_to: set[tuple[Stage, str, str, str | None]] = set()
         self._unpinning: set[asyncio.Task[None]] = set()
         # Each worker's last load report (`{ns}.load.{worker_id}`), and when it came.
         self._loads: dict[str, tuple[float, WorkerLoad]] = {}
@@ -173,11 +177,11 @@ class Router:
                 log.warning("router.snapshot_failed", error=repr(error))
 
     def route(self, stage: Stage, model: str, token_ids: list[int], cards: list[WorkerCard],
-              lora_name: str | None = None) -> Route | None:
-        """The replica to pin this prompt (run with the adapter `lora_name`, if any) to; None: the shared queue.
-        A prompt naming an adapter that only some replicas have loaded is pinned to one of those in any mode."""
-        workers = sorted((c for c in cards if c.stage == stage and c.model == model and c.ready),
-                         key=lambda c: c.worker_id)
+              lora_name: str | None = None, pool: str | None = None) -> Route | None:
+        """The replica of `pool` (None: the model's replicas outside pools) to pin this prompt (run with the adapter
+        `lora_name`, if any) to; None: the shared queue (the pool's). A prompt naming an adapter that only some
+        replicas have loaded is pinned to one of those in any mode."""
+        workers = sorted(_ready(cards, stage, model, pool), key=lambda c: c.worker_id)
         holders = [c for c in workers if lora_name in c.lora_adapters]
         must_pin = lora_name is not None and 0 < len(holders) < len(workers)
         if must_pin:
@@ -191,26 +195,48 @@ class Router:
             chosen, cached_blocks, block_size = self._rng.choice(workers), 0, 1
         else:
             chosen, cached_blocks, block_size = self._by_kv(workers, token_ids, lora_name)
-        self._pinned_to.add((stage, model, chosen.worker_id))
-        self._note_sent(chosen.worker_id, len(token_ids) // block_size - cached_blocks)
+        self._pinned_to.add((stage, model, chosen.worker_id, pool))
+        self._note_sent(chosen.worker_id, len(token_ids) // block_size - cached_blocks, block_size)
         predicted = cached_blocks * block_size
         ROUTER_DECISIONS.labels(mode=self.options.mode.value, outcome="hit" if predicted else "miss").inc()
         ROUTER_PREDICTED_TOKENS.inc(predicted)
         return Route(chosen.worker_id, predicted)
 
-    def prefills_locally(self, model: str, token_ids: list[int], cards: list[WorkerCard]) -> bool:
-        """Whether a disaggregated model's prompt is short enough, once its cached prefix is discounted, to run
-        on a decode worker rather than take a prefill worker and a KV transfer (Dynamo's `isl_bounding`)."""
-        if self.options.local_prefill_max_tokens <= 0:
+    def prefills_locally(self, model: str, token_ids: list[int], cards: list[WorkerCard],
+                         decode_pool: str | None = None, prefill_pool: str | None = None) -> bool:
+        """Whether a disaggregated model's prompt runs on a decode worker (of `decode_pool`) rather than take a
+        prefill worker (of `prefill_pool`) and a KV transfer: it is short once its cached prefix is discounted
+        (Dynamo's `isl_bounding`), or every prefill replica is busy (`prefill_load`); either, when both are set."""
+        options = self.options
+        if options.local_prefill_max_tokens <= 0 and options.prefill_busy_tokens <= 0:
             return False
-        decoders = [c for c in cards if c.stage == Stage.DECODE and c.model == model and c.ready and c.prefills_locally]
+        decoders = [c for c in _ready(cards, Stage.DECODE, model, decode_pool) if c.prefills_locally]
         if not decoders:
             return False
-        cached = self.index.cached_blocks(token_ids, [c.worker_id for c in decoders]) if self.options.mode == RouterMode.KV else {}
-        uncached = len(token_ids) - max(cached.values(), default=0) * self._block_size(decoders)
-        local = uncached <= self.options.local_prefill_max_tokens
-        DISAGGREGATION_DECISIONS.labels(where="local" if local else "remote").inc()
+        short = False
+        if options.local_prefill_max_tokens > 0:
+            cached = (self.index.cached_blocks(token_ids, [c.worker_id for c in decoders])
+                      if options.mode == RouterMode.KV else {})
+            uncached = len(token_ids) - max(cached.values(), default=0) * self._block_size(decoders)
+            short = uncached <= options.local_prefill_max_tokens
+        busy = options.prefill_busy_tokens > 0 and self._prefill_busy(model, cards, prefill_pool)
+        local = short or busy
+        DISAGGREGATION_DECISIONS.labels(where="local" if local else "remote",
+                                        why="short" if short else "prefill_busy" if busy else "long").inc()
         return local
+
+    def _prefill_busy(self, model: str, cards: list[WorkerCard], pool: str | None) -> bool:
+        """Every prefill replica has more prompt tokens waiting than the threshold (one without a report: not busy,
+        as in Dynamo)."""
+        prefills = _ready(cards, Stage.PREFILL, model, pool)
+        return bool(prefills) and all(self._waiting_prompt_tokens(c) > self.options.prefill_busy_tokens
+                                      for c in prefills)
+
+    def _waiting_prompt_tokens(self, card: WorkerCard) -> float:
+        """Prompt tokens a prefill worker has waiting: its last load report's, plus what this router sent it since."""
+        reported = self._loads.get(card.worker_id)
+        since_s, waiting = (reported[0], reported[1].waiting_prompt_tokens) if reported is not None else (0.0, 0)
+        return waiting + sum(tokens for sent_s, _, tokens in self._recent.get(card.worker_id, ()) if sent_s > since_s)
 
     def forget_gone(self, live_cards: list[WorkerCard]) -> None:
         """Drop the index entries of workers whose cards expired and unpin their tasks (in the background)."""
@@ -219,9 +245,9 @@ class Router:
             self.index.forget_worker(worker_id)
         for worker_id in set(self._loads) - live:
             del self._loads[worker_id]
-        for stage, model, worker_id in [key for key in self._pinned_to if key[2] not in live]:
-            self._pinned_to.discard((stage, model, worker_id))
-            task = asyncio.create_task(unpin(self._js, self._names, self._settings, stage, model, worker_id))
+        for stage, model, worker_id, pool in [key for key in self._pinned_to if key[2] not in live]:
+            self._pinned_to.discard((stage, model, worker_id, pool))
+            task = asyncio.create_task(unpin(self._js, self._names, self._settings, stage, model, worker_id, pool))
             self._unpinning.add(task)
             task.add_done_callback(self._unpinning.discard)
         KV_INDEX_BLOCKS.set(self.index.num_blocks)
@@ -259,14 +285,19 @@ class Router:
             since_s, used = 0.0, card.kv.used_blocks if card.kv is not None else 0
         now = time.monotonic()
         return used + sum(blocks * math.exp(-(now - sent_s) / _RECENT_FADE_S)
-                          for sent_s, blocks in self._recent.get(card.worker_id, ()) if sent_s > since_s)
+                          for sent_s, blocks, _ in self._recent.get(card.worker_id, ()) if sent_s > since_s)
 
-    def _note_sent(self, worker_id: str, blocks: int) -> None:
+    def _note_sent(self, worker_id: str, blocks: int, block_size: int) -> None:
         recent = self._recent.setdefault(worker_id, deque())
         now = time.monotonic()
-        recent.append((now, max(0, blocks)))
+        recent.append((now, max(0, blocks), max(0, blocks) * block_size))
         while recent and recent[0][0] < now - 5 * _RECENT_FADE_S:
             recent.popleft()
+
+
+def _ready(cards: list[WorkerCard], stage: Stage, model: str, pool: str | None) -> list[WorkerCard]:
+    """The ready replicas of a stage for a model, in one pool (None: those in no pool)."""
+    return [c for c in cards if c.stage == stage and c.model == model and c.ready and c.pool == pool]
 
 
 class KvEventFeed:
@@ -355,8 +386,9 @@ async def read_worker_batches(js: JetStreamContext, names: Names, worker_id: str
 
 
 async def unpin(js: JetStreamContext, names: Names, settings: BusSettings, stage: Stage, model: str | None,
-                worker_id: str) -> int:
-    """Move one worker's pinned tasks back to its stage's shared queue; how many moved.
+                worker_id: str, pool: str | None = None) -> int:
+    """Move one worker's pinned tasks back to its stage's shared queue (its pool's, when it is in one); how many
+    moved.
 
     Binds the worker's own durable consumer, so a task it had pulled and never acked comes back after the
     ack wait too. A second copy of the same move (two processors both noticed) is harmless: each task is
@@ -385,7 +417,7 @@ async def unpin(js: JetStreamContext, names: Names, settings: BusSettings, stage
                 # when the task may have started streaming there.
                 prior = int(headers.get(PRIOR_DELIVERIES_HEADER, 0)) + message.metadata.num_delivered - 1
                 headers[PRIOR_DELIVERIES_HEADER] = str(prior)
-                await js.publish(names.work_subject(stage, model), message.data, headers=headers)
+                await js.publish(names.work_subject(stage, model, pool), message.data, headers=headers)
                 await message.ack()
                 moved += 1
                 UNPINNED_TASKS.labels(stage=stage.value).inc()

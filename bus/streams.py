@@ -182,14 +182,16 @@ async def ensure_registry_bucket(js: JetStreamContext, names: Names, settings: B
 
 
 def work_consumer_config(
-    names: Names, stage: Stage, model: str | None, settings: BusSettings, max_ack_pending: int
+    names: Names, stage: Stage, model: str | None, settings: BusSettings, max_ack_pending: int,
+    pool: str | None = None,
 ) -> ConsumerConfig:
-    durable = names.work_consumer(stage, model)
+    durable = names.work_consumer(stage, model, pool)
     return ConsumerConfig(
         name=durable,
         durable_name=durable,
-        description=f"Conveyor {stage.value} workers" + (f" for {model}" if model else ""),
-        filter_subject=names.work_subject(stage, model),
+        description=f"Conveyor {stage.value} workers" + (f" for {model}" if model else "")
+        + (f" in pool {pool}" if pool else ""),
+        filter_subject=names.work_subject(stage, model, pool),
         ack_policy=AckPolicy.EXPLICIT,
         ack_wait=settings.ack_wait_s,
         max_deliver=settings.max_deliver,

@@ -2,7 +2,9 @@
 
 Work for a stage goes to `{ns}.work.{stage}`; stages that need a model's weights (encode, prefill,
 decode, embed) take work per model, on `{ns}.work.{stage}.{model_token}`, so a decode worker for one
-model never pulls another model's tasks. One work-queue stream per stage holds both forms.
+model never pulls another model's tasks. A model served by several pools (bus/pools.py) has one queue per
+pool besides, `{ns}.work.{stage}.{model_token}.pool.{pool}`, pulled by that pool's replicas only. One work-queue
+stream per stage holds every form.
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ class Names:
         # Stream and bucket names may not contain dots; upper case marks them apart from subjects.
         return self.namespace.upper().replace("-", "_")
 
-    def work_subject(self, stage: Stage, model: str | None = None) -> str:
+    def work_subject(self, stage: Stage, model: str | None = None, pool: str | None = None) -> str:
         base = f"{self.namespace}.work.{stage.value}"
-        return base if model is None else f"{base}.{model_token(model)}"
+        if model is None:
+            return base
+        return f"{base}.{model_token(model)}" + (f".pool.{pool}" if pool is not None else "")
 
     def pinned_subject(self, stage: Stage, model: str | None, worker_id: str) -> str:
         """Work for one replica only: a router pinned it there (its prefix is cached there)."""
@@ -55,9 +59,11 @@ class Names:
         base = f"{self.namespace}.work.{stage.value}"
         return [base, f"{base}.>"]
 
-    def work_consumer(self, stage: Stage, model: str | None = None) -> str:
-        """The durable consumer every replica of a stage (for a model) shares."""
-        return stage.value if model is None else f"{stage.value}_{model_token(model)}"
+    def work_consumer(self, stage: Stage, model: str | None = None, pool: str | None = None) -> str:
+        """The durable consumer every replica of a stage (for a model, in a pool) shares."""
+        if model is None:
+            return stage.value
+        return f"{stage.value}_{model_token(model)}" + (f"_pool_{pool}" if pool is not None else "")
 
     @property
     def cancel_subject(self) -> str:

@@ -152,8 +152,11 @@ class GenerationRequest(WireModel):
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None
     guided_grammar: str | None = None
-    # Higher runs sooner where the engine supports priorities.
+    # Higher runs sooner where the engine supports priorities; also picks a pool (bus/pools.py).
     priority: int | None = None
+    # Latency targets a deployment with several pools picks a pool by (Dynamo's `nvext.router`); 0: the fastest.
+    ttft_target_ms: float | None = Field(default=None, ge=0)
+    itl_target_ms: float | None = Field(default=None, ge=0)
     # A session keeps the conversation on one LLM worker: this request's prompt is appended to what the session
     # holds (earlier prompts and answers), whose KV stays cached there. A new id opens a session; `close_session`
     # ends it after this request. Aggregated serving, one request at a time per session.

@@ -7,6 +7,7 @@ stopped heartbeating, so the registry only lists live workers.
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Annotated
 
 from pydantic import Field
 
@@ -42,6 +43,10 @@ class KvCapacity(WireModel):
     used_blocks: int = Field(ge=0)
 
 
+# A pool's name becomes a subject token and part of a consumer name.
+PoolName = Annotated[str, Field(min_length=1, max_length=32, pattern=r"^[A-Za-z0-9_\-]+$")]
+
+
 class WorkerCard(WireModel):
     worker_id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_\-]+$")
     stage: Stage
@@ -65,6 +70,8 @@ class WorkerCard(WireModel):
     lora_adapters: list[str] = Field(default_factory=list)
     # A processor serving several models: the others beside `model` (processors share one queue, so each serves all).
     also_serves: list[str] = Field(default_factory=list)
+    # The pool it serves in, when its model is served by several (a routing config names them); None: the model's.
+    pool: PoolName | None = None
     lora_failures: dict[str, str] = Field(default_factory=dict)
     wire_version: int
 
@@ -77,3 +84,5 @@ class WorkerLoad(WireModel):
     kv_used_blocks: int = Field(ge=0)
     running_requests: int = Field(ge=0)
     waiting_requests: int = Field(ge=0)
+    # Prompt tokens admitted but not yet computed (queued or mid-prefill): how busy a prefill engine is.
+    waiting_prompt_tokens: int = Field(default=0, ge=0)

@@ -14,6 +14,7 @@ from pydantic import Field
 from schemas.base import WireModel
 from schemas.client import Inbox, MediaUrl, RequestId, SessionId, StreamFormat
 from schemas.control import LoraName
+from schemas.registry import PoolName
 from schemas.sampling import GuidedDecoding, OutputOptions, SamplingOptions, StopConditions
 
 
@@ -59,6 +60,9 @@ class TaskHeader(WireModel):
     stream_format: StreamFormat = StreamFormat.TEXT
     # Unix time when the client's request entered the pipeline.
     created_at_s: float = Field(ge=0.0)
+    # Frames already sent to `reply_to` (heartbeats, by a worker that handed the task over before any output):
+    # the stream goes on from this number.
+    first_reply_seq: int = Field(default=0, ge=0)
 
 
 class BootstrapInfo(WireModel):
@@ -119,6 +123,10 @@ class PrefillTask(Task):
     encoded_images: EncodedImages | None = None
     # Set when a KV-aware router pinned the task: the prompt tokens it expected cached here.
     predicted_cached_tokens: int | None = Field(default=None, ge=0)
+    # Faster prefill pools to hand the task to, in order, should it fail here before anything was streamed.
+    retry_pools: list[PoolName] = Field(default_factory=list, max_length=16)
+    # The decode pool the decode task goes to, then its retry pools (empty: the model's decode queue).
+    decode_pools: list[PoolName] = Field(default_factory=list, max_length=16)
 
 
 class DecodeTask(Task):
@@ -129,6 +137,8 @@ class DecodeTask(Task):
     encoded_images: EncodedImages | None = None
     # Set when a KV-aware router pinned the task: the prompt tokens it expected cached here.
     predicted_cached_tokens: int | None = Field(default=None, ge=0)
+    # Faster decode pools to hand the task to, in order, should it fail here before anything was streamed.
+    retry_pools: list[PoolName] = Field(default_factory=list, max_length=16)
 
 
 class EmbedTask(Task):

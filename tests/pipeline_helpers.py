@@ -56,13 +56,16 @@ class Worker:
 @asynccontextmanager
 async def running_workers(bus: Bus, specs: Sequence[tuple[Stage, PipelineStage]], model: str = MOCK,
                           mode: ServingMode = ServingMode.AGGREGATED, grace_s: float = 5.0,
-                          max_concurrency: int = 32) -> AsyncIterator[list[Worker]]:
+                          max_concurrency: int = 32,
+                          pools: Sequence[str | None] = ()) -> AsyncIterator[list[Worker]]:
+    """`pools`: the pool of each worker in `specs`, in order (missing: none)."""
     workers: list[Worker] = []
     try:
-        for stage_kind, stage in specs:
+        for index, (stage_kind, stage) in enumerate(specs):
             options = WorkerOptions(stage=stage_kind, model=model, mode=mode, engine_name="test",
                                     http_host="127.0.0.1", shutdown_grace_s=grace_s, max_concurrency=max_concurrency,
-                                    canary_interval_s=3600, handle_signals=False)
+                                    canary_interval_s=3600, handle_signals=False,
+                                    pool=pools[index] if index < len(pools) else None)
             runtime = WorkerRuntime(stage, options, bus.nats_settings, bus.settings)
             task = asyncio.create_task(runtime.run())
             started = asyncio.create_task(runtime.started.wait())

@@ -119,14 +119,14 @@ async def test_conditional_disaggregation_runs_short_prompts_on_the_decode_worke
     long_question = "Please answer carefully and briefly, in one sentence only: " * 4 + QUESTIONS[0]
     async with running_workers(bus, specs, model=DEFAULT_MODEL, mode=ServingMode.DISAGGREGATED):
         prefills = prefills_done()
-        local_before = metric("conveyor_disaggregation_decisions_total", where="local")
+        local_before = metric("conveyor_disaggregation_decisions_total", where="local", why="short")
         short = await answer(bus, QUESTIONS[0])
         assert prefills_done() == prefills
         long = await answer(bus, long_question)
         await wait_until(lambda: prefills_done() == prefills + 1, timeout_s=10)
     assert short[2].usage.prompt_tokens <= 48 < long[2].usage.prompt_tokens
     assert "Paris" in short[1] and long[2].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
-    assert metric("conveyor_disaggregation_decisions_total", where="local") == local_before + 1
+    assert metric("conveyor_disaggregation_decisions_total", where="local", why="short") == local_before + 1
 
 
 def prefills_done() -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -271,6 +272,16 @@ def worker(
         "Processor, disaggregated models: a prompt with at most this many tokens to compute (its cached prefix "
         "discounted with --router kv) runs on a decode worker that can prefill itself (torch, mock), skipping the "
         "prefill stage and the KV transfer. 0: never."))] = 0,
+    prefill_busy_tokens: Annotated[int, typer.Option(min=0, help=(
+        "Processor, disaggregated models: while every prefill replica has more than this many prompt tokens "
+        "waiting, prompts run on a decode worker that can prefill itself (Dynamo's prefill_load; with "
+        "--local-prefill-max-tokens too: either rule). 0: never."))] = 0,
+    pools: Annotated[Path | None, typer.Option(envvar="CONVEYOR_POOLS", help=(
+        "Processor: a TOML or JSON file declaring the pools each model is served by and how requests are spread "
+        "over them (by prompt length, TTFT / ITL targets and priority; see bus/pools.py and the README)."))] = None,
+    pool: Annotated[str | None, typer.Option(envvar="CONVEYOR_POOL", help=(
+        "Prefill and decode workers: serve in this pool of the model (it pulls the pool's queue, not the "
+        "model's); the processors' --pools file says which requests it gets."))] = None,
     nats: NatsOption = None,
     namespace: NamespaceOption = None,
     log_level: LogLevelOption = "INFO",
@@ -288,9 +299,19 @@ def worker(
     from workers.image import ImageStorage
     from workers.stages import build_stage, default_image_storage
 
+    from bus.pools import PoolsConfig, PoolsConfigError
+
     configure_logging(log_level)
     nats_settings, bus_settings = load_settings(nats, namespace)
     stage_kind, serving_mode, engine_kind = Stage(stage), ServingMode(mode), EngineKind(engine)
+    if pool is not None and stage_kind not in (Stage.PREFILL, Stage.DECODE):
+        raise typer.BadParameter(f"--pool is for prefill and decode workers, not {stage}")
+    if pool is not None and not re.fullmatch(r"[A-Za-z0-9_\-]{1,32}", pool):
+        raise typer.BadParameter(f"{pool!r}: a pool name is 1 to 32 letters, digits, '_' or '-'", param_hint="--pool")
+    try:
+        pools_config = PoolsConfig.from_file(pools) if pools is not None else None
+    except PoolsConfigError as error:
+        raise typer.BadParameter(str(error), param_hint="--pools") from None
     # Embed and image workers serve one mode whatever --mode says.
     serving_mode = {Stage.EMBED: ServingMode.EMBEDDING, Stage.IMAGE: ServingMode.IMAGE}.get(stage_kind, serving_mode)
     models = model or [_default_model(stage_kind, engine_kind)]
@@ -298,12 +319,13 @@ def worker(
     built = build_stage(stage_kind, engine_kind, models, serving_mode, load_format,
                         MigrationPolicy(migration_limit, migration_max_seq_len),
                         RouterOptions(RouterMode(router), router_overlap_weight, router_temperature,
-                                      local_prefill_max_tokens), image_storage=storage)
+                                      local_prefill_max_tokens, prefill_busy_tokens),
+                        image_storage=storage, pools=pools_config)
     options = WorkerOptions(
         stage=stage_kind, model=models[0], also_serves=tuple(models[1:]), mode=serving_mode, engine_name=engine_kind.value, http_host=http_host,
         http_port=http_port, max_concurrency=max_concurrency or _DEFAULT_CONCURRENCY.get(stage_kind, 32),
         shutdown_grace_s=shutdown_grace_s,
-        coalesce_window_s=coalesce_ms / 1000,
+        coalesce_window_s=coalesce_ms / 1000, pool=pool,
     )
     run_loop(WorkerRuntime(built, options, nats_settings, bus_settings).run())
 

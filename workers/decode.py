@@ -30,7 +30,8 @@ Fails how: an option the engine cannot honour → `unsupported` error frame; an 
 this engine when it can (torch, mock; images encoded here), else a retryable `worker_lost` error frame;
 image rows that cannot be read (their encode worker died) → the images, which the task keeps, are encoded
 here, or `worker_lost` without a vision path; images for a worker without a vision path → `unsupported`;
-bad media (EPD) → the encode stage's errors.
+bad media (EPD) → the encode stage's errors. A task given faster pools to retry on (bus/pools.py) goes to the next of
+them instead of a retryable error frame, while nothing but heartbeats was streamed.
 A `Cancel` (or the client vanishing, seen by the reply stream's liveness probe) aborts the engine
 request at once, freeing its blocks, and the client gets `finish_reason: cancelled`.
 """
@@ -47,8 +48,8 @@ import structlog
 from bus.consumer import Delivery
 from bus.errors import RejectRequest
 from bus.journal import Progress
-from bus.metrics import (END_TO_END, INTER_TOKEN_LATENCY, MIGRATIONS, QUEUE_SECONDS, REQUESTS, ROUTER_ACTUAL_TOKENS,
-                         TIME_TO_FIRST_TOKEN)
+from bus.metrics import (END_TO_END, INTER_TOKEN_LATENCY, MIGRATIONS, POOL_HANDOVERS, QUEUE_SECONDS, REQUESTS,
+                         ROUTER_ACTUAL_TOKENS, TIME_TO_FIRST_TOKEN)
 from bus.replies import ReplySender
 from schemas.client import StreamFormat
 from schemas.registry import Stage
@@ -114,6 +115,8 @@ class DecodeStage:
 
     async def handle(self, task: DecodeTask, delivery: Delivery) -> None:
         QUEUE_SECONDS.labels(stage=Stage.DECODE.value).observe(delivery.queued_s)
+        if self._context is not None:
+            offer_failures_to_faster_pools(task, Stage.DECODE, self.model, delivery, self._context)
         if delivery.num_delivered > 1 and not delivery.reply.journaled:
             # Migration is off: what the dead replica streamed is unknown, and generating again would
             # repeat or contradict it. The client decides.
@@ -437,3 +440,35 @@ async def run_canary(engine: Engine, request_id: str) -> None:
                 raise RuntimeError(f"canary finished with {output.finish_reason}: {output.error}")
             return
     raise RuntimeError("canary stream ended without a final output")
+
+
+# Failures of a worker or its engine, not of the request: another pool may well succeed.
+_WORKER_FAILURES = frozenset({ErrorCode.INTERNAL, ErrorCode.OVERLOADED, ErrorCode.WORKER_LOST, ErrorCode.TIMEOUT})
+
+
+def offer_failures_to_faster_pools(task: DecodeTask | PrefillTask, stage: Stage, model: str, delivery: Delivery,
+                                   context: StageContext) -> None:
+    """A task with faster pools to retry on (bus/pools.py): a failure of this worker or its engine before any output
+    is not sent to the client; the task goes to the next pool, numbering the stream on from the heartbeats sent
+    here. A refusal of the request itself (invalid, unsupported, too long) would fail there too: it is not moved."""
+    if not task.retry_pools:
+        return
+
+    async def hand_over(code: ErrorCode, message: str) -> bool:
+        if code not in _WORKER_FAILURES:
+            return False
+        pool = task.retry_pools[0]
+        header = task.header.model_copy(update={"first_reply_seq": delivery.reply.frames_sent})
+        moved = task.model_copy(update={"header": header, "retry_pools": task.retry_pools[1:],
+                                        "predicted_cached_tokens": None})
+        try:
+            await context.publisher.publish(stage, moved, task.request_id, delivery.trace, model=model, pool=pool,
+                                            msg_id=f"{task.request_id}:pool:{pool}")
+        except Exception as error:  # the client gets the failure itself instead
+            log.warning("pools.hand_over_failed", pool=pool, error=repr(error))
+            return False
+        POOL_HANDOVERS.labels(stage=stage.value, pool=pool).inc()
+        log.info("pools.handed_over", to_pool=pool, code=code.value, reason=message)
+        return True
+
+    delivery.reply.hand_over_failures(hand_over)

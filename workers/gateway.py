@@ -66,6 +66,31 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class NvExtRouter(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    ttft_target: float | None = None
+    itl_target: float | None = None
+
+
+class NvExtAgentHints(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    priority: int | None = None
+
+
+class NvExt(BaseModel):
+    """The part of Dynamo's `nvext` extension read here: pool selection targets and priority (ms)."""
+
+    model_config = ConfigDict(extra="ignore")
+    router: NvExtRouter | None = None
+    agent_hints: NvExtAgentHints | None = None
+
+    def targets(self) -> dict[str, Any]:
+        fields = {"ttft_target_ms": self.router.ttft_target if self.router else None,
+                  "itl_target_ms": self.router.itl_target if self.router else None,
+                  "priority": self.agent_hints.priority if self.agent_hints else None}
+        return {name: value for name, value in fields.items() if value is not None}
+
+
 class _OpenAIBody(BaseModel):
     """Fields both endpoints accept. Unknown fields are ignored, as OpenAI's own server does."""
 
@@ -94,10 +119,19 @@ class _OpenAIBody(BaseModel):
     guided_grammar: str | None = None
     session_id: str | None = None
     close_session: bool = False
+    priority: int | None = None
+    # Pool selection targets (bus/pools.py); Dynamo's clients send them as nvext.router.{ttft,itl}_target and
+    # nvext.agent_hints.priority, read too.
+    ttft_target_ms: float | None = None
+    itl_target_ms: float | None = None
+    nvext: NvExt | None = None
 
     def generation_fields(self) -> dict[str, Any]:
         fields = self.model_dump(exclude={"model", "stream", "stream_options", "max_completion_tokens", "messages",
-                                          "prompt", "logprobs", "top_logprobs", "response_format"}, exclude_none=True)
+                                          "prompt", "logprobs", "top_logprobs", "response_format", "nvext"},
+                                 exclude_none=True)
+        if self.nvext is not None:
+            fields = self.nvext.targets() | fields  # the plain fields win
         max_tokens = self.max_completion_tokens or self.max_tokens
         return {**fields, "max_tokens": max_tokens} if max_tokens is not None else fields
 

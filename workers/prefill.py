@@ -3,7 +3,7 @@
 Consumes `PrefillTask` from `{ns}.work.prefill.{model}`. For each task it takes a bootstrap room
 (the task's, when a router chose one, else a random 63-bit number), starts the prompt on its engine
 with that room, publishes the `DecodeTask` carrying `{bootstrap_host, bootstrap_port,
-bootstrap_room}` to `{ns}.work.decode.{model}`, and acks only when the handoff is done (the decode
+bootstrap_room}` to `{ns}.work.decode.{model}` (or the decode pool the processor chose: bus/pools.py), and acks only when the handoff is done (the decode
 engine has read the KV), so a worker that dies mid-prefill leaves the task to be redelivered.
 
 Emits nothing to the client: the decode stage streams. The prompt is registered with the engine
@@ -15,7 +15,8 @@ redelivered prefill, whose decode task JetStream drops as a duplicate, aborts.
 
 Fails how: an engine failure before the decode task is published → retried (nak with backoff);
 after it, the decode side reports the failed handoff, so the prefill acks rather than run the
-prompt twice. A `Cancel` aborts the prefill and frees its blocks; the decode stage, which hears the
+prompt twice. A task given faster pools to retry on goes to the next of them instead of failing, once its
+retries here are spent (nothing was streamed yet). A `Cancel` aborts the prefill and frees its blocks; the decode stage, which hears the
 same cancel, tells the client `cancelled`.
 """
 
@@ -30,7 +31,7 @@ from bus.consumer import Delivery
 from bus.metrics import QUEUE_SECONDS, REQUESTS
 from schemas.registry import Stage
 from schemas.tasks import BootstrapInfo, DecodeTask, EncodedImages, PrefillTask
-from workers.decode import resolve_images, run_canary
+from workers.decode import offer_failures_to_faster_pools, resolve_images, run_canary
 from workers.engines.protocol import Engine, GenerateOutput, GenerateRequest
 from workers.media import ImageInputs
 from workers.runtime import StageContext
@@ -77,6 +78,7 @@ class PrefillStage:
     async def handle(self, task: PrefillTask, delivery: Delivery) -> None:
         assert self._context is not None
         QUEUE_SECONDS.labels(stage=Stage.PREFILL.value).observe(delivery.queued_s)
+        offer_failures_to_faster_pools(task, Stage.PREFILL, self.model, delivery, self._context)
         endpoint = self._engine.bootstrap_endpoint
         assert endpoint is not None
         room = task.bootstrap_room if task.bootstrap_room is not None else secrets.randbits(63)
@@ -98,10 +100,12 @@ class PrefillStage:
         # The decode engine receives the KV of the prompt as run here (images expanded); the images go along
         # so that it can run the prompt itself should this worker die before the handoff.
         encoded = EncodedImages(token_ids=token_ids) if task.request.media else None
-        decode_task = DecodeTask(header=task.header, request=task.request, bootstrap=bootstrap, encoded_images=encoded)
+        decode_task = DecodeTask(header=task.header, request=task.request, bootstrap=bootstrap, encoded_images=encoded,
+                                 retry_pools=task.decode_pools[1:])
         try:
-            published = await self._context.publisher.publish(Stage.DECODE, decode_task, task.request_id, delivery.trace,
-                                                              model=self.model)
+            published = await self._context.publisher.publish(
+                Stage.DECODE, decode_task, task.request_id, delivery.trace, model=self.model,
+                pool=task.decode_pools[0] if task.decode_pools else None)
         except BaseException:
             prefill.cancel()
             raise

@@ -51,7 +51,8 @@ from pydantic import ValidationError
 from bus.consumer import Delivery
 from bus.errors import RejectRequest
 from bus.lifecycle import stop_tasks
-from bus.metrics import QUEUE_SECONDS, REQUESTS
+from bus.metrics import POOL_CHOICES, QUEUE_SECONDS, REQUESTS
+from bus.pools import PoolsConfig, RequestTargets
 from bus.registry import REQUIRED_STAGES, served_adapters
 from bus.router import Router, RouterOptions
 from schemas.client import (
@@ -122,9 +123,11 @@ class ProcessorStage:
     accepts_media = False
     journals_replies = False
 
-    def __init__(self, models: dict[str, ServedModel], router: RouterOptions = RouterOptions()) -> None:
+    def __init__(self, models: dict[str, ServedModel], router: RouterOptions = RouterOptions(),
+                 pools: PoolsConfig | None = None) -> None:
         self._models = models
         self._router_options = router
+        self._pools = pools
         self._router: Router | None = None
         self._context: StageContext | None = None
         self._cards: list[WorkerCard] = []
@@ -231,19 +234,48 @@ class ProcessorStage:
         mode = await self._mode_of(model.name)
         assert self._router is not None
         cards = await self._live_cards()
+        targets = RequestTargets(len(token_ids), request.ttft_target_ms, request.itl_target_ms, request.priority)
+        # The pools (bus/pools.py) each stage's task goes to, the first with a ready worker, then those to retry on.
+        decode_pools = self._pools_for(model.name, mode, Stage.DECODE, targets, cards)
+        prefill_pools = (self._pools_for(model.name, mode, Stage.PREFILL, targets, cards)
+                         if mode == ServingMode.DISAGGREGATED else [])
         # The stage that runs the prompt is the one whose prefix cache a router can aim at; a short prompt of a
         # disaggregated model may skip the prefill stage (conditional disaggregation).
-        remote = mode == ServingMode.DISAGGREGATED and not self._router.prefills_locally(model.name, token_ids, cards)
-        stage = Stage.PREFILL if remote else Stage.DECODE
-        route = self._router.route(stage, model.name, token_ids, cards, lora_name)
+        remote = mode == ServingMode.DISAGGREGATED and not self._router.prefills_locally(
+            model.name, token_ids, cards, _first(decode_pools), _first(prefill_pools))
+        stage, pools = (Stage.PREFILL, prefill_pools) if remote else (Stage.DECODE, decode_pools)
+        route = self._router.route(stage, model.name, token_ids, cards, lora_name, pool=_first(pools))
         predicted = route.predicted_cached_tokens if route is not None else None
         task: DecodeTask | PrefillTask = (
-            PrefillTask(header=header, request=preprocessed, predicted_cached_tokens=predicted)
-            if stage == Stage.PREFILL else DecodeTask(header=header, request=preprocessed, predicted_cached_tokens=predicted))
+            PrefillTask(header=header, request=preprocessed, predicted_cached_tokens=predicted,
+                        retry_pools=pools[1:], decode_pools=decode_pools)
+            if stage == Stage.PREFILL else
+            DecodeTask(header=header, request=preprocessed, predicted_cached_tokens=predicted, retry_pools=pools[1:]))
         await self._forward(stage, task, request.request_id, delivery, model.name,
-                            worker_id=route.worker_id if route is not None else None)
+                            worker_id=route.worker_id if route is not None else None, pool=_first(pools))
         log.info("processor.routed", to=stage.value, prompt_tokens=len(token_ids), mode=mode.value,
-                 worker_id=route.worker_id if route is not None else None)
+                 worker_id=route.worker_id if route is not None else None, pool=_first(pools))
+
+    def _pools_for(self, model: str, mode: ServingMode, stage: Stage, targets: RequestTargets,
+                   cards: list[WorkerCard]) -> list[str]:
+        """The pool of `stage` this request goes to — the grid's choice, or the first of the faster ones it may
+        retry on that has a ready worker — then the rest of those (empty: the model has no pools)."""
+        config = self._pools.of(model) if self._pools is not None else None
+        if config is None:
+            return []
+        grid = (config.aggregated if mode == ServingMode.AGGREGATED
+                else config.prefill if stage == Stage.PREFILL else config.decode)
+        if grid is None:
+            return []
+        order = grid.choose(targets, config.defaults)
+        staffed = {c.pool for c in cards if c.stage == stage and c.model == model and c.ready}
+        for index, pool in enumerate(order):
+            if pool in staffed:
+                POOL_CHOICES.labels(stage=stage.value, pool=pool, why="chosen" if index == 0 else "faster").inc()
+                return order[index:]
+        raise RejectRequest(ErrorCode.UNKNOWN_MODEL, f"no ready {stage.value} worker in pool {order[0]!r} serves "
+                            f"{model!r}; start one with `conveyor worker {stage.value} --model {model} "
+                            f"--pool {order[0]}`", retryable=True)
 
     async def _route_session(self, request: ChatRequest | CompletionRequest, header: TaskHeader,
                              preprocessed: PreprocessedRequest, model: ServedModel, delivery: Delivery) -> None:
@@ -288,6 +320,9 @@ class ProcessorStage:
         """Encode workers live → `EncodeTask` (E/PD, or E/P/D when prefill workers are live too);
         else an LLM worker that encodes in-process (EPD) gets the images with its task."""
         assert self._context is not None
+        if self._pools is not None and self._pools.of(model.name) is not None:
+            raise RejectRequest(ErrorCode.UNSUPPORTED, f"{model.name} is served by pools, which take text prompts; "
+                                "images are not routed to pools")
         cards = [card for card in await self._live_cards() if card.model == model.name and card.ready]
         if not any(card.stage == Stage.ENCODE or card.accepts_media for card in cards):
             cards = [card for card in await self._live_cards(max_age_s=_FRESH_VIEW_S)
@@ -350,13 +385,13 @@ class ProcessorStage:
         await self._forward(Stage.IMAGE, task, request.request_id, delivery, request.model)
 
     async def _forward(self, stage: Stage, task: WireModel, request_id: str, delivery: Delivery, model: str,
-                       worker_id: str | None = None) -> None:
+                       worker_id: str | None = None, pool: str | None = None) -> None:
         """Publish the next stage's task. JetStream drops a task whose request id it saw within the dedupe
         window: expected when this task was redelivered (it went out before), but on a first delivery it
         means another request used the id, and that request would be dropped without a word."""
         assert self._context is not None
         published = await self._context.publisher.publish(stage, task, request_id, delivery.trace, model=model,
-                                                          worker_id=worker_id)
+                                                          worker_id=worker_id, pool=pool)
         if not published and delivery.num_delivered == 1:
             raise RejectRequest(ErrorCode.INVALID_REQUEST,
                                 f"request id {request_id!r} is in use by another request (within the last "
@@ -463,6 +498,10 @@ class ProcessorStage:
         for card in cards:
             if card.ready:
                 self._last_ready_s[(card.model, card.stage)] = now_s
+
+
+def _first(pools: list[str]) -> str | None:
+    return pools[0] if pools else None
 
 
 def _busyness(card: WorkerCard) -> int:

@@ -74,6 +74,8 @@ class WorkerOptions:
     coalesce_window_s: float = 0.0
     # A processor's other models (written in its card, so each counts as served).
     also_serves: tuple[str, ...] = ()
+    # The pool this prefill or decode worker serves in (bus/pools.py): it pulls that pool's queue, not the model's.
+    pool: str | None = None
     # Stop on SIGTERM / SIGINT (off when workers run inside another program, e.g. tests).
     handle_signals: bool = True
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()[:24]}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
@@ -224,7 +226,8 @@ class WorkerRuntime:
                                         coalesce_window_s=self.options.coalesce_window_s,
                                         journal_replies=self._stage.journals_replies,
                                         # The stages that run prompts: a router may pin a task to one replica.
-                                        pinned=self.options.stage in (Stage.DECODE, Stage.PREFILL)),
+                                        pinned=self.options.stage in (Stage.DECODE, Stage.PREFILL),
+                                        pool=self.options.pool),
             )
             await self._stage.canary()
             await self._consumer.bind()
@@ -237,7 +240,7 @@ class WorkerRuntime:
             self._start_background(nc, js)
             consumer_loop = asyncio.create_task(self._consumer.run(), name="consumer")
             log.info("worker.ready", http=self._health.url, consumer=self._names.work_consumer(
-                self.options.stage, self._stage.consumes_model))
+                self.options.stage, self._stage.consumes_model, self.options.pool))
             self.started.set()
             stop_requested = asyncio.create_task(self._stopping.wait())
             await asyncio.wait([stop_requested, consumer_loop], return_when=asyncio.FIRST_COMPLETED)
@@ -353,7 +356,7 @@ class WorkerRuntime:
             accepts_media=self._stage.accepts_media,
             prefills_locally=engine is not None and engine.info.prefills_in_decode_role,
             lora_adapters=sorted(engine.loras()) if engine is not None else [],
-            also_serves=list(self.options.also_serves),
+            also_serves=list(self.options.also_serves), pool=self.options.pool,
             lora_failures=dict(self._adapters.failures) if self._adapters is not None else {},
         )
 
@@ -381,11 +384,11 @@ class WorkerRuntime:
         subject, last = self._names.load_subject(self.options.worker_id), None
         while not await sleep_unless(self._stopping, interval_s):
             load = engine.load()
-            now = (load.kv_used_blocks, load.running_requests, load.waiting_requests)
+            now = (load.kv_used_blocks, load.running_requests, load.waiting_requests, load.waiting_prompt_tokens)
             if now == last:
                 continue
             report = WorkerLoad(worker_id=self.options.worker_id, kv_used_blocks=now[0], running_requests=now[1],
-                                waiting_requests=now[2])
+                                waiting_requests=now[2], waiting_prompt_tokens=now[3])
             try:
                 await nc.publish(subject, encode(report))
                 last = now

@@ -6,6 +6,7 @@ import json
 import uuid
 from pathlib import Path
 
+from bus.pools import PoolsConfig
 from bus.router import RouterOptions
 from workers.decode import DecodeStage, MigrationPolicy
 from workers.embed import EmbedStage, TorchEmbedder
@@ -26,10 +27,11 @@ MOCK_CONTEXT_LENGTH = 8192
 
 def build_stage(stage: Stage, kind: EngineKind, models: list[str], mode: ServingMode, load_format: str,
                 migration: MigrationPolicy | None = None, router: RouterOptions = RouterOptions(),
-                image_storage: ImageStorage | None = None) -> PipelineStage:
+                image_storage: ImageStorage | None = None, pools: PoolsConfig | None = None) -> PipelineStage:
     if stage == Stage.PROCESSOR:
         # Image requests need no model here (the image workers' pipelines tokenize their own prompts).
-        return ProcessorStage({name: served_model(kind, name) for name in models if not is_image_model(name)}, router)
+        return ProcessorStage({name: served_model(kind, name) for name in models if not is_image_model(name)}, router,
+                              pools)
     if len(models) != 1:
         raise ValueError(f"a {stage.value} worker serves exactly one model (got {len(models)})")
     model = models[0]

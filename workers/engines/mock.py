@@ -60,6 +60,7 @@ class MockEngine:
         self._slots = asyncio.Semaphore(config.max_running_requests)
         self._running: dict[str, asyncio.Event] = {}
         self._waiting = 0
+        self._waiting_prompt_tokens = 0
         # Content key -> None for cached blocks, least recently used first; referenced ones separately.
         self._cached: OrderedDict[int, None] = OrderedDict()
         # Blocks held by running requests -> how many hold each (a shared prefix is held once).
@@ -90,12 +91,19 @@ class MockEngine:
         cancelled = asyncio.Event()
         self._running[request.request_id] = cancelled
         self._waiting += 1
+        self._waiting_prompt_tokens += len(request.token_ids)
+        prefilling = True
         try:
             async with self._slots:
                 self._waiting -= 1
                 async for output in self._run(request, cancelled):
+                    if prefilling:  # the first output ends its prefill
+                        self._waiting_prompt_tokens -= len(request.token_ids)
+                        prefilling = False
                     yield output
         finally:
+            if prefilling:
+                self._waiting_prompt_tokens -= len(request.token_ids)
             self._running.pop(request.request_id, None)
 
     async def _run(self, request: GenerateRequest, cancelled: asyncio.Event) -> AsyncIterator[GenerateOutput]:
@@ -193,6 +201,7 @@ class MockEngine:
             kv_block_size=self.config.block_size,
             kv_total_blocks=self.config.kv_total_blocks,
             kv_used_blocks=self._used_blocks,
+            waiting_prompt_tokens=self._waiting_prompt_tokens,
         )
 
     def kv_events(self) -> AsyncIterator[KvEventBatchOut]:

@@ -119,6 +119,8 @@ class EngineLoad:
     kv_used_blocks: int
     # Prompt tokens served from the prefix cache ÷ prompt tokens seen, since start.
     cache_hit_rate: float = 0.0
+    # Prompt tokens admitted but not yet computed (waiting, or mid-prefill).
+    waiting_prompt_tokens: int = 0
 
     @property
     def kv_usage(self) -> float:

@@ -550,6 +550,7 @@ class SGLangEngine:
                         kv_total_blocks=total // page,
                         kv_used_blocks=-(-used // page),
                         cache_hit_rate=max(s.cache_hit_rate for s in snapshots),
+                        waiting_prompt_tokens=sum(getattr(s, "num_waiting_uncached_tokens", 0) for s in snapshots),
                     )
             except Exception as error:  # metrics only; never take the worker down
                 log.warning("sglang.load_failed", error=repr(error))

@@ -642,6 +642,7 @@ class TorchEngine:
             kv_total_blocks=manager.num_blocks,
             kv_used_blocks=manager.num_used_blocks,
             cache_hit_rate=manager.prompt_tokens_cached / seen if seen else 0.0,
+            waiting_prompt_tokens=self.scheduler.waiting_prompt_tokens,
         )
 
     def kv_events(self) -> AsyncIterator[KvEventBatchOut]:

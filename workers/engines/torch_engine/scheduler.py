@@ -40,6 +40,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def waiting_prompt_tokens(self) -> int:
+        """Prompt tokens not yet computed: waiting sequences', and the rest of prompts mid-prefill (chunked)."""
+        waiting = sum(seq.num_uncomputed_tokens for seq in self.waiting)
+        return waiting + sum(max(0, seq.num_prompt_tokens - seq.num_computed_tokens) for seq in self.running)
+
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
