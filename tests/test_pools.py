@@ -254,3 +254,10 @@ async def test_a_disaggregated_models_prompts_go_to_the_prefill_pool_their_lengt
         seen = (short.block_manager.prompt_tokens_seen - seen_before[0],  # type: ignore[union-attr]
                 long.block_manager.prompt_tokens_seen - seen_before[1])  # type: ignore[union-attr]
     assert seen == (40, 200)
+
+
+def test_the_example_pools_file_in_docs_is_valid() -> None:
+    config = PoolsConfig.from_file(Path(__file__).parent.parent / "docs" / "pools.example.toml")
+    smol = config.of("SmolLM2-135M-Instruct")
+    assert smol is not None and smol.aggregated is not None
+    assert smol.aggregated.choose(RequestTargets(10, priority=500), smol.defaults) == ["fast"]
