@@ -4,11 +4,14 @@ One nats-server; for each routing mode a namespace of its own with one processor
 `--replicas` mock decode workers, all processes. The workload is Dynamo's shared-prefix case: `--prefixes`
 system prompts of `--prefix-tokens` tokens, each request one of them plus a short user turn of its own.
 Each worker's KV cache holds only `--cache-prefixes` system prompts, so where a prompt lands decides whether its
-prefix is computed again. The mock engine charges `--prefill-us-per-token` for every uncached prompt token.
+prefix is computed again. The mock engine charges `--prefill-us-per-token` for every uncached prompt token;
+`--engine torch` runs the embedded model (SmolLM2-135M) with its prefix cache instead, each worker on
+cores ÷ replicas threads (one mode's workers run at a time).
 Rounds alternate between the modes (these machines are noisy); the first round of each is warm-up.
 
     .venv/bin/python scripts/bench_routing.py                       # kv vs round-robin vs queue
     .venv/bin/python scripts/bench_routing.py --rounds 6 --concurrency 32
+    .venv/bin/python scripts/bench_routing.py --engine torch --prefix-tokens 512 --requests-per-round 48
     .venv/bin/python scripts/bench_routing.py --router-cost          # decision time of the index alone
 
 `--router-cost` measures the router without NATS: an index of `--cost-workers` workers × `--cost-blocks` blocks
@@ -52,15 +55,18 @@ def say(message: str) -> None:
 
 def spawn(stage: str, namespace: str, url: str, args: argparse.Namespace, mode: str) -> subprocess.Popen[bytes]:
     block_size = 16
+    # Room for the cached system prompts plus the requests running at once (their blocks are held).
+    kv_blocks = ((args.cache_prefixes + -(-args.concurrency // args.replicas))
+                 * ((args.prefix_tokens + args.turn_tokens + args.max_tokens) // block_size + 1))
+    threads = str(max(1, (os.cpu_count() or 2) // args.replicas))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CONVEYOR_NAMESPACE": namespace, "CONVEYOR_NATS_URLS": url,
            "CONVEYOR_ROUTER": mode, "CONVEYOR_MOCK_INTER_TOKEN_S": str(args.inter_token_ms / 1000),
            "CONVEYOR_MOCK_TTFT_PER_PROMPT_TOKEN_S": str(args.prefill_us_per_token / 1e6),
-           "CONVEYOR_MOCK_BLOCK_SIZE": str(block_size),
-           # Room for the cached system prompts plus the requests running at once (their blocks are held).
-           "CONVEYOR_MOCK_KV_TOTAL_BLOCKS": str((args.cache_prefixes + -(-args.concurrency // args.replicas))
-                                                * ((args.prefix_tokens + args.turn_tokens + args.max_tokens) // block_size + 1)),
-           "CONVEYOR_MOCK_MAX_RUNNING_REQUESTS": "64"}
-    command = [sys.executable, "-m", "workers.cli", "worker", stage, "--engine", "mock", "--log-level", "ERROR",
+           "CONVEYOR_MOCK_BLOCK_SIZE": str(block_size), "CONVEYOR_MOCK_KV_TOTAL_BLOCKS": str(kv_blocks),
+           "CONVEYOR_MOCK_MAX_RUNNING_REQUESTS": "64",
+           "CONVEYOR_TORCH_KV_CACHE_TOKENS": str(kv_blocks * block_size),
+           "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    command = [sys.executable, "-m", "workers.cli", "worker", stage, "--engine", args.engine, "--log-level", "ERROR",
                "--shutdown-grace-s", "0.5"]
     return subprocess.Popen(command, cwd=ROOT, env=env)
 
@@ -76,7 +82,7 @@ async def wait_ready(client: PipelineClient, replicas: int, timeout_s: float = 1
 
 
 async def one(client: PipelineClient, prompt: list[int], args: argparse.Namespace) -> float:
-    request = CompletionRequest(request_id=f"route-{uuid.uuid4().hex[:12]}", reply_to=client.new_inbox(), model="mock",
+    request = CompletionRequest(request_id=f"route-{uuid.uuid4().hex[:12]}", reply_to=client.new_inbox(), model=args.model,
                                 prompt=prompt, max_tokens=args.max_tokens, stream_format=StreamFormat.TOKENS,
                                 ignore_eos=True)
     started_s = time.monotonic()
@@ -125,7 +131,7 @@ async def serving(args: argparse.Namespace) -> None:
                     processes += [spawn("decode", namespace, server.url, args, mode) for _ in range(args.replicas)]
                 for client in clients.values():
                     await wait_ready(client, args.replicas)
-                say(f"{len(args.modes)} × (1 processor + {args.replicas} mock decode workers) ready; {args.prefixes} prefixes of "
+                say(f"{len(args.modes)} × (1 processor + {args.replicas} {args.engine} decode workers) ready; {args.prefixes} prefixes of "
                     f"{args.prefix_tokens} tokens, {args.cache_prefixes} fit one worker's cache; "
                     f"{args.requests_per_round} requests per round at concurrency {args.concurrency}")
                 ttfts: dict[str, list[float]] = {mode: [] for mode in args.modes}
@@ -210,6 +216,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--modes", type=lambda text: text.split(","), default=MODES,
                         help="comma-separated routing modes; the first is the base of the ratios")
     parser.add_argument("--replicas", type=int, default=4, help="decode workers per mode")
+    parser.add_argument("--engine", choices=["mock", "torch"], default="mock",
+                        help="mock (simulated prefill cost) or torch (the embedded model, real prefix cache)")
     parser.add_argument("--prefixes", type=int, default=16, help="distinct system prompts")
     parser.add_argument("--prefix-tokens", type=int, default=1024)
     parser.add_argument("--cache-prefixes", type=int, default=4, help="system prompts one worker's KV cache holds")
@@ -226,7 +234,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cost-workers", type=int, default=64)
     parser.add_argument("--cost-blocks", type=int, default=100_000)
     parser.add_argument("--cost-decisions", type=int, default=2000)
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.engine == "torch":
+        from workers.engines.torch_engine.loader import DEFAULT_MODEL
+
+        args.model = DEFAULT_MODEL
+    else:
+        args.model = "mock"
+    return args
 
 
 if __name__ == "__main__":
