@@ -5,13 +5,15 @@ One nats-server; for each routing mode a namespace of its own with one processor
 system prompts of `--prefix-tokens` tokens, each request one of them plus a short user turn of its own.
 Each worker's KV cache holds only `--cache-prefixes` system prompts, so where a prompt lands decides whether its
 prefix is computed again. The mock engine charges `--prefill-us-per-token` for every uncached prompt token;
-`--engine torch` runs the embedded model (SmolLM2-135M) with its prefix cache instead, each worker on
-cores ÷ replicas threads (one mode's workers run at a time).
+`--engine torch` runs the embedded model (SmolLM2-135M, or `--model DIR`) with its prefix cache instead, each
+worker on CPU with cores ÷ replicas threads (one mode's workers run at a time); `--engine sglang --model DIR` runs
+SGLang on the GPU, the replicas of every mode sharing it, each engine's KV cache cut to the same size.
 Rounds alternate between the modes (these machines are noisy); the first round of each is warm-up.
 
     .venv/bin/python scripts/bench_routing.py                       # kv vs round-robin vs queue
     .venv/bin/python scripts/bench_routing.py --rounds 6 --concurrency 32
     .venv/bin/python scripts/bench_routing.py --engine torch --prefix-tokens 512 --requests-per-round 48
+    bash scripts/gpu_run.sh python3 scripts/bench_routing.py --engine sglang --model .gpu/smol --load-format dummy
     .venv/bin/python scripts/bench_routing.py --router-cost          # decision time of the index alone
 
 `--router-cost` measures the router without NATS: an index of `--cost-workers` workers × `--cost-blocks` blocks
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import statistics
@@ -65,13 +68,17 @@ def spawn(stage: str, namespace: str, url: str, args: argparse.Namespace, mode: 
            "CONVEYOR_MOCK_BLOCK_SIZE": str(block_size), "CONVEYOR_MOCK_KV_TOTAL_BLOCKS": str(kv_blocks),
            "CONVEYOR_MOCK_MAX_RUNNING_REQUESTS": "64",
            "CONVEYOR_TORCH_KV_CACHE_TOKENS": str(kv_blocks * block_size),
-           "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-    command = [sys.executable, "-m", "workers.cli", "worker", stage, "--engine", args.engine, "--log-level", "ERROR",
+           "CONVEYOR_TORCH_DEVICE": "cpu", "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+           # Every mode's replicas share the GPU; each engine's KV pool is cut to the benchmark's cache size.
+           "CONVEYOR_SGLANG_MEM_FRACTION_STATIC": str(round(0.8 / (args.replicas * len(args.modes)), 3)),
+           "CONVEYOR_SGLANG_EXTRA_SERVER_ARGS": json.dumps({"max_total_tokens": kv_blocks * block_size})}
+    command = [sys.executable, "-m", "workers.cli", "worker", stage, "--engine", args.engine, "--model", args.model,
+               "--load-format", args.load_format if stage == "decode" else "auto", "--log-level", "ERROR",
                "--shutdown-grace-s", "0.5"]
     return subprocess.Popen(command, cwd=ROOT, env=env)
 
 
-async def wait_ready(client: PipelineClient, replicas: int, timeout_s: float = 120.0) -> None:
+async def wait_ready(client: PipelineClient, replicas: int, timeout_s: float = 400.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         cards = [card for card in await client.live_workers() if card.ready]
@@ -216,8 +223,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--modes", type=lambda text: text.split(","), default=MODES,
                         help="comma-separated routing modes; the first is the base of the ratios")
     parser.add_argument("--replicas", type=int, default=4, help="decode workers per mode")
-    parser.add_argument("--engine", choices=["mock", "torch"], default="mock",
-                        help="mock (simulated prefill cost) or torch (the embedded model, real prefix cache)")
+    parser.add_argument("--engine", choices=["mock", "torch", "sglang"], default="mock",
+                        help="mock (simulated prefill cost), torch (the embedded model on CPU, real prefix cache) or "
+                             "sglang (GPU; needs --model)")
+    parser.add_argument("--model", help="torch / sglang: a model directory (default for torch: the bundled SmolLM2)")
+    parser.add_argument("--load-format", default="auto", help="dummy: random weights from the model's config.json")
     parser.add_argument("--prefixes", type=int, default=16, help="distinct system prompts")
     parser.add_argument("--prefix-tokens", type=int, default=1024)
     parser.add_argument("--cache-prefixes", type=int, default=4, help="system prompts one worker's KV cache holds")
@@ -235,12 +245,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cost-blocks", type=int, default=100_000)
     parser.add_argument("--cost-decisions", type=int, default=2000)
     args = parser.parse_args()
-    if args.engine == "torch":
+    if args.engine == "mock":
+        args.model = "mock"
+    elif args.engine == "sglang" and args.model is None:
+        parser.error("--engine sglang needs --model DIR")
+    elif args.model is None:
         from workers.engines.torch_engine.loader import DEFAULT_MODEL
 
         args.model = DEFAULT_MODEL
-    else:
-        args.model = "mock"
     return args
 
 

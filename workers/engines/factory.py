@@ -11,11 +11,13 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from workers.engines.protocol import DisaggregationRole, Engine
 
 
-class TorchEngineSizing(BaseSettings):
-    """How large a torch engine `conveyor worker` starts: from CONVEYOR_TORCH_* variables."""
+class TorchEngineSettings(BaseSettings):
+    """Where and how large a torch engine `conveyor worker` starts: from CONVEYOR_TORCH_* variables."""
 
     model_config = SettingsConfigDict(env_prefix="CONVEYOR_TORCH_", frozen=True)
 
+    # "auto": CUDA when available, else CPU.
+    device: str = "auto"
     # KV cache size in tokens: what the prefix cache and running requests share.
     kv_cache_tokens: int = Field(default=16384, gt=0)
     max_running_requests: int = Field(default=64, gt=0)
@@ -42,8 +44,9 @@ def create_engine(kind: EngineKind, model: str | None, role: DisaggregationRole 
             if role != DisaggregationRole.NONE:
                 raise ValueError("a diffusion LM runs aggregated (prefill and decode are one denoising loop)")
             return DiffusionLMEngine(model_dir, model or DEFAULT_MODEL)
-        sizing = TorchEngineSizing()
+        sizing = TorchEngineSettings()
         return TorchEngine(TorchEngineConfig(model=model or DEFAULT_MODEL, role=role, load_format=load_format,
+                                             device=sizing.device,
                                              kv_cache_tokens=sizing.kv_cache_tokens,
                                              max_running_requests=sizing.max_running_requests,
                                              max_step_tokens=sizing.max_step_tokens))
