@@ -44,6 +44,7 @@ from bus.kv_index import Candidate, KvIndex, choose
 from bus.server import EmbeddedNatsServer
 from bus.settings import BusSettings, NatsSettings
 from schemas.client import CompletionRequest, StreamFormat
+from schemas.replies import FinalFrame
 from schemas.kv_events import BlockStored, KvEventBatch
 from schemas.kv_hashing import chain_hashes
 from schemas.registry import Stage
@@ -62,7 +63,8 @@ def spawn(stage: str, namespace: str, url: str, args: argparse.Namespace, mode: 
     kv_blocks = ((args.cache_prefixes + -(-args.concurrency // args.replicas))
                  * ((args.prefix_tokens + args.turn_tokens + args.max_tokens) // block_size + 1))
     threads = str(max(1, (os.cpu_count() or 2) // args.replicas))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "CONVEYOR_NAMESPACE": namespace, "CONVEYOR_NATS_URLS": url,
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "CONVEYOR_NAMESPACE": namespace, "CONVEYOR_NATS_URLS": url,
            "CONVEYOR_ROUTER": mode, "CONVEYOR_MOCK_INTER_TOKEN_S": str(args.inter_token_ms / 1000),
            "CONVEYOR_MOCK_TTFT_PER_PROMPT_TOKEN_S": str(args.prefill_us_per_token / 1e6),
            "CONVEYOR_MOCK_BLOCK_SIZE": str(block_size), "CONVEYOR_MOCK_KV_TOTAL_BLOCKS": str(kv_blocks),
@@ -78,9 +80,12 @@ def spawn(stage: str, namespace: str, url: str, args: argparse.Namespace, mode: 
     return subprocess.Popen(command, cwd=ROOT, env=env)
 
 
-async def wait_ready(client: PipelineClient, replicas: int, timeout_s: float = 400.0) -> None:
+async def wait_ready(client: PipelineClient, replicas: int, processes: list[subprocess.Popen[bytes]],
+                     timeout_s: float = 400.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if any(process.poll() is not None for process in processes):
+            raise RuntimeError("a worker exited before the pipeline was ready (its error is above)")
         cards = [card for card in await client.live_workers() if card.ready]
         if sum(c.stage == Stage.DECODE for c in cards) >= replicas and any(c.stage == Stage.PROCESSOR for c in cards):
             return
@@ -88,7 +93,8 @@ async def wait_ready(client: PipelineClient, replicas: int, timeout_s: float = 4
     raise RuntimeError("workers did not get ready")
 
 
-async def one(client: PipelineClient, prompt: list[int], args: argparse.Namespace) -> float:
+async def one(client: PipelineClient, prompt: list[int], args: argparse.Namespace) -> tuple[float, float]:
+    """Time to first token, and the share of the prompt the engine found cached."""
     request = CompletionRequest(request_id=f"route-{uuid.uuid4().hex[:12]}", reply_to=client.new_inbox(), model=args.model,
                                 prompt=prompt, max_tokens=args.max_tokens, stream_format=StreamFormat.TOKENS,
                                 ignore_eos=True)
@@ -98,23 +104,23 @@ async def one(client: PipelineClient, prompt: list[int], args: argparse.Namespac
         async for _ in stream:
             if ttft_s is None:
                 ttft_s = time.monotonic() - started_s
-    assert ttft_s is not None
-    return ttft_s
+    assert ttft_s is not None and isinstance(stream.terminal, FinalFrame)
+    return ttft_s, stream.terminal.usage.cached_tokens / len(prompt)
 
 
 async def run_round(client: PipelineClient, prefixes: list[list[int]], args: argparse.Namespace,
-                    rng: random.Random) -> tuple[list[float], float]:
+                    rng: random.Random) -> tuple[list[float], list[float], float]:
     prompts = [rng.choice(prefixes) + [rng.randrange(3, 30000) for _ in range(args.turn_tokens)]
                for _ in range(args.requests_per_round)]
     started_s = time.monotonic()
     slots = asyncio.Semaphore(args.concurrency)
 
-    async def limited(prompt: list[int]) -> float:
+    async def limited(prompt: list[int]) -> tuple[float, float]:
         async with slots:
             return await one(client, prompt, args)
 
-    ttfts = await asyncio.gather(*(limited(p) for p in prompts))
-    return list(ttfts), len(prompts) / (time.monotonic() - started_s)
+    results = await asyncio.gather(*(limited(p) for p in prompts))
+    return [r[0] for r in results], [r[1] for r in results], len(prompts) / (time.monotonic() - started_s)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -137,30 +143,32 @@ async def serving(args: argparse.Namespace) -> None:
                     processes.append(spawn("processor", namespace, server.url, args, mode))
                     processes += [spawn("decode", namespace, server.url, args, mode) for _ in range(args.replicas)]
                 for client in clients.values():
-                    await wait_ready(client, args.replicas)
+                    await wait_ready(client, args.replicas, processes)
                 say(f"{len(args.modes)} × (1 processor + {args.replicas} {args.engine} decode workers) ready; {args.prefixes} prefixes of "
                     f"{args.prefix_tokens} tokens, {args.cache_prefixes} fit one worker's cache; "
                     f"{args.requests_per_round} requests per round at concurrency {args.concurrency}")
                 ttfts: dict[str, list[float]] = {mode: [] for mode in args.modes}
                 rates: dict[str, list[float]] = {mode: [] for mode in args.modes}
+                cached: dict[str, list[float]] = {mode: [] for mode in args.modes}
                 for round_index in range(args.rounds + 1):
                     for mode in args.modes:
-                        values, rate = await run_round(clients[mode], prefixes, args, rng)
+                        values, shares, rate = await run_round(clients[mode], prefixes, args, rng)
                         if round_index == 0:
                             continue  # warm-up: every cache starts empty
                         ttfts[mode] += values
                         rates[mode].append(rate)
+                        cached[mode] += shares
                         say(f"round {round_index} {mode}: TTFT p50 {pct(values, 0.5) * 1000:.1f} ms, {rate:.1f} req/s")
         finally:
             await stop_processes(processes, grace_s=15)
             server.stop()
     base = args.modes[0]
-    print(f"| routing | TTFT p50 ms | TTFT p99 ms | requests/s | TTFT p50 ÷ {base} |")
-    print("|---|---|---|---|---|")
+    print(f"| routing | TTFT p50 ms | TTFT p99 ms | requests/s | prompt found cached | TTFT p50 ÷ {base} |")
+    print("|---|---|---|---|---|---|")
     for mode in args.modes:
         p50 = pct(ttfts[mode], 0.5)
         print(f"| {mode} | {p50 * 1000:.1f} | {pct(ttfts[mode], 0.99) * 1000:.1f} | {statistics.mean(rates[mode]):.1f} | "
-              f"{p50 / pct(ttfts[base], 0.5):.2f}× |")
+              f"{statistics.mean(cached[mode]):.0%} | {p50 / pct(ttfts[base], 0.5):.2f}× |")
 
 
 class _clients:

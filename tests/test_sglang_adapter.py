@@ -12,6 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from schemas.kv_hashing import chain_hashes
 from schemas.replies import FinishReason
 from schemas.sampling import GuidedDecoding, SamplingOptions, StopConditions
 from workers.engines.protocol import DisaggregationRole, Engine, ExpertRecording, GenerateRequest, UnsupportedOption
@@ -170,12 +171,13 @@ async def test_relay_receives_zmq_batches_and_counts_gaps() -> None:
     try:
         for seq in (0, 1, 3):  # 2 is lost
             for _ in range(50):  # ZMQ's slow joiner: resend until the subscription is live
-                await publisher.send_multipart(sglang_frame(seq, [["BlockRemoved", [seq + 100], None]]))
+                await publisher.send_multipart(sglang_frame(seq, [["BlockStored", [seq + 100], None, [seq] * 16, 16,
+                                                                   None, None]]))
                 await asyncio.sleep(0.05)
-                if received and received[-1].events[0].block_hashes == [seq + 100]:
+                if received and received[-1].events[0].block_hashes == chain_hashes([seq] * 16, 16):
                     break
         collector.cancel()
-        assert [b.events[0].block_hashes for b in received] == [[100], [101], [103]]
+        assert [b.events[0].block_hashes for b in received] == [chain_hashes([seq] * 16, 16) for seq in (0, 1, 3)]
         assert relay.gaps == 1 and relay.last_seq == 3
     finally:
         await relay.stop()
@@ -231,3 +233,25 @@ async def test_the_expert_recorder_is_refused_unless_the_engine_started_with_one
                                              enable_eplb=False))
     with pytest.raises(UnsupportedOption, match="EXPERT_DISTRIBUTION_RECORDER_MODE"):
         await engine.record_experts(ExpertRecording.START)
+
+
+def test_the_relay_publishes_sglangs_blocks_under_the_keys_a_router_computes() -> None:
+    # SGLang's own block hashes are private ids; a router hashes prompts with schemas/kv_hashing.py.
+    prompt = list(range(1000, 1048))  # three pages of 16
+    relay = KvEventRelay("tcp://127.0.0.1:1")
+    first = decode_event_frames(sglang_frame(0, [["BlockStored", [-5, 6], None, prompt[:32], 16, None, None]]))
+    second = decode_event_frames(sglang_frame(1, [["BlockStored", [7], 6, prompt[32:], 16, None, None]]))
+    assert first is not None and second is not None
+    keys = chain_hashes(prompt, 16)
+    stored = relay.translated(first[1]).events + relay.translated(second[1]).events
+    assert [e.block_hashes for e in stored] == [keys[:2], keys[2:]]  # type: ignore[union-attr]
+    assert [e.parent_block_hash for e in stored] == [None, keys[1]]  # type: ignore[union-attr]
+    # Removals name SGLang's hashes; they leave as ours. A chain on a block never seen cannot be keyed: dropped.
+    later = decode_event_frames(sglang_frame(2, [["BlockRemoved", [6, 999], None],
+                                                 ["BlockStored", [8], 424242, prompt[:16], 16, None, None]]))
+    assert later is not None
+    (removed,) = relay.translated(later[1]).events
+    assert isinstance(removed, BlockRemoved) and removed.block_hashes == [keys[1]]
+    cleared = decode_event_frames(sglang_frame(3, [["AllBlocksCleared"]]))
+    assert cleared is not None and isinstance(relay.translated(cleared[1]).events[0], AllBlocksCleared)
+    assert len(relay.keys) == 0

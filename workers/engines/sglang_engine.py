@@ -13,7 +13,8 @@ it maps, read from the 0.5.17 wheel:
 - KV events: `kv_events_config` makes SGLang's scheduler PUB on ZMQ `[topic, seq u64 BE, msgpack
   KVEventBatch]`, where the batch is msgspec `array_like` — `[ts, [events], attn_dp_rank]` — and
   each event a tagged array `["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium]`;
-  `KvEventRelay` subscribes and turns them into ours;
+  `KvEventRelay` subscribes and turns them into ours, with our chained block keys in place of SGLang's own hashes
+  (a router hashes prompts our way; SGLang's hashes only identify its removals);
 - control: the tokenizer manager's async `flush_cache`, `start_profile` / `stop_profile`,
   `update_weights_from_disk`, `release_memory_occupation` / `resume_memory_occupation` (the Engine's
   own wrappers call `run_until_complete`, unusable inside a running loop);
@@ -42,6 +43,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from schemas.kv_hashing import block_hash
 from schemas.registry import BootstrapEndpoint
 from schemas.replies import FinishReason, TokenLogprob, TopLogprob
 from workers.engines.events import KvEventFanout
@@ -350,12 +352,57 @@ def decode_event_frames(frames: list[bytes]) -> tuple[int, KvEventBatchOut] | No
     return seq, KvEventBatchOut(events=events, ts=float(ts), data_parallel_rank=int(rank or 0))
 
 
+class BlockKeys:
+    """SGLang's block hashes as the chained keys every engine here publishes (schemas/kv_hashing.py), which is what a
+    router computes from a prompt's tokens. SGLang's own hashes are ids private to it: without this a router never
+    finds an SGLang worker's blocks. They are kept, mapped to ours, only to translate SGLang's removals."""
+
+    def __init__(self) -> None:
+        self._ours: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._ours)
+
+    def translate(self, event: KvEvent) -> KvEvent | None:
+        """The event in our keys; None when nothing of it can be translated."""
+        if isinstance(event, BlockStored):
+            return self._stored(event)
+        if isinstance(event, BlockRemoved):
+            keys = [key for engine_hash in event.block_hashes if (key := self._ours.pop(engine_hash, None)) is not None]
+            return BlockRemoved(block_hashes=keys, medium=event.medium) if keys else None
+        self._ours.clear()  # AllBlocksCleared
+        return event
+
+    def _stored(self, event: BlockStored) -> BlockStored | None:
+        parent: int | None = None
+        if event.parent_block_hash is not None:
+            parent = self._ours.get(event.parent_block_hash)
+            if parent is None:
+                # Chained on a block stored before the relay listened (or never published): its key is unknown,
+                # so no key of this chain can be computed. Its prompts are simply not found cached.
+                return None
+        first_parent, size, keys = parent, event.block_size, []
+        for index, engine_hash in enumerate(event.block_hashes):
+            tokens = event.token_ids[index * size : (index + 1) * size]
+            if len(tokens) < size:
+                break
+            parent = block_hash(parent, tokens)
+            self._ours[engine_hash] = parent
+            keys.append(parent)
+        if not keys:
+            return None
+        return event.model_copy(update={"block_hashes": keys, "parent_block_hash": first_parent,
+                                        "token_ids": event.token_ids[: len(keys) * size]})
+
+
 class KvEventRelay:
-    """Subscribes to SGLang's ZMQ KV-event publisher and fans batches out to our listeners."""
+    """Subscribes to SGLang's ZMQ KV-event publisher, translates its block hashes into ours (`BlockKeys`) and fans
+    batches out to our listeners."""
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
         self.batches = KvEventFanout()
+        self.keys = BlockKeys()
         self._task: asyncio.Task[None] | None = None
         self.last_seq: int | None = None
         self.gaps = 0
@@ -392,7 +439,13 @@ class KvEventRelay:
                 self.gaps += 1
                 log.warning("sglang.kv_event_gap", missed=seq - self.last_seq - 1)
             self.last_seq = seq
-            self.batches.publish(batch)
+            ours = self.translated(batch)
+            if ours.events:
+                self.batches.publish(ours)
+
+    def translated(self, batch: KvEventBatchOut) -> KvEventBatchOut:
+        events = [ours for event in batch.events if (ours := self.keys.translate(event)) is not None]
+        return KvEventBatchOut(events=events, ts=batch.ts, data_parallel_rank=batch.data_parallel_rank)
 
 
 def _free_port() -> int:
