@@ -65,7 +65,7 @@ def spawn(stage: str, namespace: str, url: str, args: argparse.Namespace, mode: 
     threads = str(max(1, (os.cpu_count() or 2) // args.replicas))
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path, "CONVEYOR_NAMESPACE": namespace, "CONVEYOR_NATS_URLS": url,
-           "CONVEYOR_ROUTER": mode, "CONVEYOR_MOCK_INTER_TOKEN_S": str(args.inter_token_ms / 1000),
+           "CONVEYOR_ROUTER": mode, "CONVEYOR_ROUTER_OVERLAP_WEIGHT": str(args.overlap_weight), "CONVEYOR_MOCK_INTER_TOKEN_S": str(args.inter_token_ms / 1000),
            "CONVEYOR_MOCK_TTFT_PER_PROMPT_TOKEN_S": str(args.prefill_us_per_token / 1e6),
            "CONVEYOR_MOCK_BLOCK_SIZE": str(block_size), "CONVEYOR_MOCK_KV_TOTAL_BLOCKS": str(kv_blocks),
            "CONVEYOR_MOCK_MAX_RUNNING_REQUESTS": "64",
@@ -231,6 +231,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--modes", type=lambda text: text.split(","), default=MODES,
                         help="comma-separated routing modes; the first is the base of the ratios")
     parser.add_argument("--replicas", type=int, default=4, help="decode workers per mode")
+    parser.add_argument("--overlap-weight", type=float, default=4.0,
+                        help="kv: weight of the prompt blocks to compute against the blocks running requests hold")
     parser.add_argument("--engine", choices=["mock", "torch", "sglang"], default="mock",
                         help="mock (simulated prefill cost), torch (the embedded model on CPU, real prefix cache) or "
                              "sglang (GPU; needs --model)")

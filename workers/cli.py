@@ -265,9 +265,10 @@ def worker(
     router_temperature: Annotated[float, typer.Option(min=0.0, help=(
         "Processor, --router kv: 0 sends each prompt to the cheapest replica; above 0 samples replicas by cost "
         "(spreads a hot prefix)."))] = 0.0,
-    router_overlap_weight: Annotated[float, typer.Option(min=0.0, help=(
+    router_overlap_weight: Annotated[float, typer.Option(min=0.0, envvar="CONVEYOR_ROUTER_OVERLAP_WEIGHT", help=(
         "Processor, --router kv: weight of the prompt blocks a replica would compute against the blocks it "
-        "holds for running requests."))] = 1.0,
+        "holds for running requests (Dynamo's default is 1; 4 found cached prefixes more often on every engine "
+        "measured here)."))] = 4.0,
     local_prefill_max_tokens: Annotated[int, typer.Option(min=0, help=(
         "Processor, disaggregated models: a prompt with at most this many tokens to compute (its cached prefix "
         "discounted with --router kv) runs on a decode worker that can prefill itself (torch, mock), skipping the "
