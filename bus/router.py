@@ -145,7 +145,7 @@ class Router:
         """Store the index and the stream position it reflects; a router starting later resumes from it instead
         of replaying the whole KV-event stream. Returns the stream sequence saved."""
         seq = self._feed.stream_seq
-        data = msgpack.packb({"stream_seq": seq, "workers": self.index.snapshot()})
+        data = msgpack.packb({"stream_seq": seq, "index": self.index.snapshot()})
         store = await self._snapshot_store()
         await store.put(_SNAPSHOT_OBJECT, data)
         self._saved_seq = seq
@@ -156,7 +156,7 @@ class Router:
         try:
             result = await (await self._js.object_store(self._names.router_snapshot_bucket)).get(_SNAPSHOT_OBJECT)
             snapshot = msgpack.unpackb(result.data, strict_map_key=False)
-            self._feed.index = KvIndex.restored(snapshot["workers"])
+            self._feed.index = KvIndex.restored(snapshot["index"])
         except Exception as error:  # none yet, or unreadable: build the index from the stream
             log.info("router.no_snapshot", reason=repr(error))
             return 0

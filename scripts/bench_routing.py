@@ -39,6 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import msgpack
+
 from bus.client import PipelineClient, open_client
 from bus.kv_index import Candidate, KvIndex, choose
 from bus.server import EmbeddedNatsServer
@@ -220,10 +222,18 @@ def router_cost(args: argparse.Namespace) -> None:
         cached = index.cached_blocks(prompt, workers)
         choose([Candidate(w, cached[w], rng.random() * 10) for w in workers], len(prompt) // 16)
         times.append(time.perf_counter() - begin)
-    print("| workers | blocks per worker | index memory MB | events ingested/s | decision p50 ms | decision p99 ms |")
-    print("|---|---|---|---|---|---|")
+    begin = time.perf_counter()
+    snapshot = msgpack.packb(index.snapshot())
+    snapshot_s = time.perf_counter() - begin
+    begin = time.perf_counter()
+    index.forget_worker("w1")
+    forget_s = time.perf_counter() - begin
+    print("| workers | blocks per worker | index memory MB | events ingested/s | decision p50 ms | decision p99 ms | "
+          "snapshot | removing one worker |")
+    print("|---|---|---|---|---|---|---|---|")
     print(f"| {args.cost_workers} | {args.cost_blocks} | {memory_mb:.0f} | {events * blocks_per_batch / ingest_s:,.0f} blocks "
-          f"({events / ingest_s:,.0f} batches) | {pct(times, 0.5) * 1000:.2f} | {pct(times, 0.99) * 1000:.2f} |")
+          f"({events / ingest_s:,.0f} batches) | {pct(times, 0.5) * 1000:.2f} | {pct(times, 0.99) * 1000:.2f} | "
+          f"{len(snapshot) / 1e6:.0f} MB in {snapshot_s:.2f} s | {forget_s:.2f} s |")
 
 
 def parse_args() -> argparse.Namespace:

@@ -57,6 +57,34 @@ def test_the_index_counts_the_cached_prefix_per_worker_and_stops_at_the_first_mi
     assert index.cached_blocks(prompt, ["a", "b"]) == {"a": 1, "b": 0} and index.workers == ["a", "b"]
 
 
+def test_a_new_worker_in_a_gone_workers_slot_inherits_none_of_its_blocks_and_snapshots_round_trip() -> None:
+    shared = list(range(100, 164))
+    index = KvIndex()
+    index.apply(batch("a", 0, stored(shared)))
+    index.apply(batch("b", 0, stored(shared[:32])))
+    index.forget_worker("a")
+    index.apply(batch("c", 0, stored(list(range(900, 916)))))  # takes a's slot
+    assert index.cached_blocks(shared, ["b", "c"]) == {"b": 2, "c": 0} and index.num_blocks == 3
+    copy = KvIndex.restored(index.snapshot())
+    assert copy.cached_blocks(shared, ["b", "c"]) == {"b": 2, "c": 0} and copy.last_seq("c") == 0
+    copy.apply(batch("d", 0, stored(shared)))  # a slot neither b nor c holds
+    copy.apply(batch("b", 1, BlockRemoved(block_hashes=chain_hashes(shared, BLOCK)[:1])))
+    assert copy.cached_blocks(shared, ["b", "c", "d"]) == {"b": 0, "c": 0, "d": 4}
+
+
+def test_a_workers_churn_does_not_grow_the_index() -> None:
+    index = KvIndex()
+    for seq in range(0, 200, 2):  # store 100 prompts of 4 blocks and evict each again
+        tokens = list(range(seq * 1000, seq * 1000 + 64))
+        index.apply(batch("a", seq, stored(tokens)))
+        index.apply(batch("a", seq + 1, BlockRemoved(block_hashes=chain_hashes(tokens, BLOCK))))
+    kept = list(range(7, 71))
+    index.apply(batch("a", 200, stored(kept)))
+    assert index.num_blocks == 4 and len(index._workers["a"].stored) <= 2 * 4 + 1024
+    index.forget_worker("a")
+    assert index.num_blocks == 0 and index.cached_blocks(kept, ["a"]) == {"a": 0}
+
+
 def test_the_index_reports_missed_batches_and_skips_ones_it_has() -> None:
     index = KvIndex()
     assert not index.apply(batch("a", 0, stored(list(range(16)))))
