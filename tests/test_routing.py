@@ -74,12 +74,12 @@ def test_a_new_worker_in_a_gone_workers_slot_inherits_none_of_its_blocks_and_sna
 
 def test_a_workers_churn_does_not_grow_the_index() -> None:
     index = KvIndex()
-    for seq in range(0, 200, 2):  # store 100 prompts of 4 blocks and evict each again
+    for seq in range(0, 800, 2):  # store 400 prompts of 4 blocks and evict each again
         tokens = list(range(seq * 1000, seq * 1000 + 64))
         index.apply(batch("a", seq, stored(tokens)))
         index.apply(batch("a", seq + 1, BlockRemoved(block_hashes=chain_hashes(tokens, BLOCK))))
     kept = list(range(7, 71))
-    index.apply(batch("a", 200, stored(kept)))
+    index.apply(batch("a", 800, stored(kept)))
     assert index.num_blocks == 4 and len(index._workers["a"].stored) <= 2 * 4 + 1024
     index.forget_worker("a")
     assert index.num_blocks == 0 and index.cached_blocks(kept, ["a"]) == {"a": 0}
