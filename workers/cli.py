@@ -277,7 +277,7 @@ def worker(
         "Processor, disaggregated models: while every prefill replica has more than this many prompt tokens "
         "waiting, prompts run on a decode worker that can prefill itself (Dynamo's prefill_load; with "
         "--local-prefill-max-tokens too: either rule). 0: never."))] = 0,
-    pools: Annotated[Path | None, typer.Option(envvar="CONVEYOR_POOLS", help=(
+    pools: Annotated[str | None, typer.Option(envvar="CONVEYOR_POOLS", help=(
         "Processor: a TOML or JSON file declaring the pools each model is served by and how requests are spread "
         "over them (by prompt length, TTFT / ITL targets and priority; see bus/pools.py and the README)."))] = None,
     pool: Annotated[str | None, typer.Option(envvar="CONVEYOR_POOL", help=(
@@ -309,8 +309,9 @@ def worker(
         raise typer.BadParameter(f"--pool is for prefill and decode workers, not {stage}")
     if pool is not None and not re.fullmatch(r"[A-Za-z0-9_\-]{1,32}", pool):
         raise typer.BadParameter(f"{pool!r}: a pool name is 1 to 32 letters, digits, '_' or '-'", param_hint="--pool")
+    pool = pool or None  # an empty CONVEYOR_POOL (e.g. from a compose file) is none
     try:
-        pools_config = PoolsConfig.from_file(pools) if pools is not None else None
+        pools_config = PoolsConfig.from_file(Path(pools)) if pools else None
     except PoolsConfigError as error:
         raise typer.BadParameter(str(error), param_hint="--pools") from None
     # Embed and image workers serve one mode whatever --mode says.

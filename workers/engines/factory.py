@@ -23,6 +23,9 @@ class TorchEngineSettings(BaseSettings):
     max_running_requests: int = Field(default=64, gt=0)
     # Token budget of one step; longer prompts are prefilled in chunks.
     max_step_tokens: int = Field(default=512, gt=0)
+    # Where a prefill engine serves its KV handoff: 0.0.0.0 when decode workers run on other hosts or containers
+    # (it then advertises this host's address).
+    bootstrap_host: str = "127.0.0.1"
 
 
 class EngineKind(StrEnum):
@@ -49,7 +52,8 @@ def create_engine(kind: EngineKind, model: str | None, role: DisaggregationRole 
                                              device=sizing.device,
                                              kv_cache_tokens=sizing.kv_cache_tokens,
                                              max_running_requests=sizing.max_running_requests,
-                                             max_step_tokens=sizing.max_step_tokens))
+                                             max_step_tokens=sizing.max_step_tokens,
+                                             bootstrap_host=sizing.bootstrap_host))
     if kind == EngineKind.MOCK:
         from workers.engines.mock import MockEngine, MockEngineConfig
 

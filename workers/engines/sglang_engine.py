@@ -44,6 +44,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from schemas.kv_hashing import block_hash
+from workers.engines.network import advertised_host
 from schemas.registry import BootstrapEndpoint
 from schemas.replies import FinishReason, TokenLogprob, TopLogprob
 from workers.engines.events import KvEventFanout
@@ -492,7 +493,7 @@ class SGLangEngine:
             max_running_requests=await self._max_running_requests(),
         )
         if self.config.role == DisaggregationRole.PREFILL:
-            advertised = _host_ip() if self.config.bootstrap_host in ("0.0.0.0", "::") else self.config.bootstrap_host
+            advertised = advertised_host(self.config.bootstrap_host)
             self._bootstrap = BootstrapEndpoint(host=advertised, port=bootstrap_port)
         self._relay = KvEventRelay(f"tcp://127.0.0.1:{kv_port}")
         await self._relay.start()
@@ -723,20 +724,6 @@ class SGLangEngine:
                      ExpertRecording.STOP: manager.stop_expert_distribution_record,
                      ExpertRecording.DUMP: manager.dump_expert_distribution_record}[action]
         await operation()
-
-
-def _host_ip() -> str:
-    """This host's address as peers reach it (SGLANG_HOST_IP wins, as in SGLang)."""
-    import os
-
-    if os.environ.get("SGLANG_HOST_IP"):
-        return os.environ["SGLANG_HOST_IP"]
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect(("10.255.255.255", 1))
-            return str(probe.getsockname()[0])
-        except OSError:
-            return "127.0.0.1"
 
 
 class SGLangEmbedder:

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from schemas.registry import BootstrapEndpoint
 from schemas.tasks import BootstrapInfo
+from workers.engines.network import advertised_host
 from workers.engines.protocol import TransferFailed
 
 log = structlog.get_logger(__name__)
@@ -199,7 +200,7 @@ class BootstrapServer:
         await site.start()
         server = site._server
         assert server is not None and server.sockets
-        self.endpoint = BootstrapEndpoint(host=self._host, port=int(server.sockets[0].getsockname()[1]))
+        self.endpoint = BootstrapEndpoint(host=advertised_host(self._host), port=int(server.sockets[0].getsockname()[1]))
 
     async def stop(self) -> None:
         if self._runner is not None:
