@@ -93,6 +93,13 @@ class RouterOptions:
 
 
 @dataclass(frozen=True, slots=True)
+class LocalPrefill:
+    """A disaggregated model's prompt that runs on a decode worker of this pool (None: the model's queue)."""
+
+    pool: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class Route:
     worker_id: str
     predicted_cached_tokens: int
@@ -205,17 +212,23 @@ class Router:
         ROUTER_PREDICTED_TOKENS.inc(predicted)
         return Route(chosen.worker_id, predicted)
 
-    def prefills_locally(self, model: str, token_ids: list[int], cards: list[WorkerCard],
-                         decode_pool: str | None = None, prefill_pool: str | None = None) -> bool:
-        """Whether a disaggregated model's prompt runs on a decode worker (of `decode_pool`) rather than take a
-        prefill worker (of `prefill_pool`) and a KV transfer: it is short once its cached prefix is discounted
-        (Dynamo's `isl_bounding`), or every prefill replica is busy (`prefill_load`); either, when both are set."""
+    def local_prefill(self, model: str, token_ids: list[int], cards: list[WorkerCard],
+                      decode_pool: str | None = None, prefill_pool: str | None = None) -> LocalPrefill | None:
+        """Where a disaggregated model's prompt runs on a decode worker rather than take a prefill worker (of
+        `prefill_pool`) and a KV transfer — it is short once its cached prefix is discounted (Dynamo's
+        `isl_bounding`), or every prefill replica is busy (`prefill_load`); either, when both are set — or None:
+        remote. The decode workers that run prompts themselves are looked for in `decode_pool` first, then in any
+        pool: torch and mock engines in the decode role do, and so does any engine started aggregated, which is how
+        SGLang (whose decode role cannot) serves local prompts — aggregated workers in a pool of their own."""
         options = self.options
         if options.local_prefill_max_tokens <= 0 and options.prefill_busy_tokens <= 0:
-            return False
-        decoders = [c for c in _ready(cards, Stage.DECODE, model, decode_pool) if c.prefills_locally]
+            return None
+        capable = [c for c in cards if c.stage == Stage.DECODE and c.model == model and c.ready and c.prefills_locally]
+        decoders = [c for c in capable if c.pool == decode_pool] or capable
         if not decoders:
-            return False
+            return None
+        pool = min((c.pool for c in decoders), key=lambda name: name or "")
+        decoders = [c for c in decoders if c.pool == pool]
         short = False
         if options.local_prefill_max_tokens > 0:
             cached = (self.index.cached_blocks(token_ids, [c.worker_id for c in decoders])
@@ -226,7 +239,7 @@ class Router:
         local = short or busy
         DISAGGREGATION_DECISIONS.labels(where="local" if local else "remote",
                                         why="short" if short else "prefill_busy" if busy else "long").inc()
-        return local
+        return LocalPrefill(pool) if local else None
 
     def _prefill_busy(self, model: str, cards: list[WorkerCard], pool: str | None) -> bool:
         """Every prefill replica has more prompt tokens waiting than the threshold (one without a report: not busy,

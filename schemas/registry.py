@@ -63,7 +63,8 @@ class WorkerCard(WireModel):
     ready: bool = False
     # Takes image requests itself: an encode worker, or an LLM worker that encodes in-process (EPD).
     accepts_media: bool = False
-    # A decode worker whose engine can also run a prompt itself, so a router may skip the prefill stage for it.
+    # A decode worker that can also run a prompt itself (started aggregated, or its engine prefills in the decode role
+    # too), so a router may skip the prefill stage for it.
     prefills_locally: bool = False
     # LoRA adapters its engine has loaded (requests may name them as their model), and those it could not load,
     # with the reason.

@@ -57,12 +57,14 @@ class Worker:
 async def running_workers(bus: Bus, specs: Sequence[tuple[Stage, PipelineStage]], model: str = MOCK,
                           mode: ServingMode = ServingMode.AGGREGATED, grace_s: float = 5.0,
                           max_concurrency: int = 32,
-                          pools: Sequence[str | None] = ()) -> AsyncIterator[list[Worker]]:
-    """`pools`: the pool of each worker in `specs`, in order (missing: none)."""
+                          pools: Sequence[str | None] = (),
+                          modes: Sequence[ServingMode] = ()) -> AsyncIterator[list[Worker]]:
+    """`pools` / `modes`: the pool / serving mode of each worker in `specs`, in order (missing: none / `mode`)."""
     workers: list[Worker] = []
     try:
         for index, (stage_kind, stage) in enumerate(specs):
-            options = WorkerOptions(stage=stage_kind, model=model, mode=mode, engine_name="test",
+            options = WorkerOptions(stage=stage_kind, model=model, mode=modes[index] if index < len(modes) else mode,
+                                    engine_name="test",
                                     http_host="127.0.0.1", shutdown_grace_s=grace_s, max_concurrency=max_concurrency,
                                     canary_interval_s=3600, handle_signals=False,
                                     pool=pools[index] if index < len(pools) else None)

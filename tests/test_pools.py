@@ -215,13 +215,13 @@ async def test_prompts_run_on_the_decode_worker_while_every_prefill_replica_is_b
         await report("p1", 5000)
         await report("p2", 200)
         # One prefill replica has room: the long prompt goes remote, the short one stays local (isl rule).
-        assert not router.prefills_locally(MOCK, long, cards)
-        assert router.prefills_locally(MOCK, short, cards)
+        assert router.local_prefill(MOCK, long, cards) is None
+        assert router.local_prefill(MOCK, short, cards) is not None
         await report("p2", 3000)
-        assert router.prefills_locally(MOCK, long, cards)  # every replica busy: the load rule
+        assert router.local_prefill(MOCK, long, cards) is not None  # every replica busy: the load rule
         assert metric("conveyor_disaggregation_decisions_total", where="local", why="prefill_busy") >= 1
         await report("p1", 0)
-        assert not router.prefills_locally(MOCK, long, cards)
+        assert router.local_prefill(MOCK, long, cards) is None
     finally:
         await router.stop()
 
@@ -261,3 +261,45 @@ def test_the_example_pools_file_in_docs_is_valid() -> None:
     smol = config.of("SmolLM2-135M-Instruct")
     assert smol is not None and smol.aggregated is not None
     assert smol.aggregated.choose(RequestTargets(10, priority=500), smol.defaults) == ["fast"]
+
+
+async def test_short_prompts_run_on_an_aggregated_pool_when_the_decode_engines_cannot_prefill(bus: Bus) -> None:
+    """SGLang's shape: its decode role cannot run a prompt, so local prefill goes to decode workers started
+    aggregated, in a pool of their own; long prompts still take the prefill worker and the decode pool."""
+    import dataclasses
+
+    from workers.engines.protocol import DisaggregationRole
+    from workers.engines.torch_engine.engine import TorchEngine, TorchEngineConfig
+    from workers.engines.torch_engine.loader import DEFAULT_MODEL
+    from workers.prefill import PrefillStage
+
+    class DecodeOnly(TorchEngine):
+        @property
+        def info(self):  # type: ignore[no-untyped-def]
+            return dataclasses.replace(super().info, prefills_in_decode_role=False)
+
+    def engine(role: DisaggregationRole, kind: type[TorchEngine] = TorchEngine) -> TorchEngine:
+        return kind(TorchEngineConfig(role=role, max_step_tokens=128))
+
+    config = PoolsConfig(models=[{"model": DEFAULT_MODEL, "decode": {  # type: ignore[list-item]
+        "pools": ["pd"], "context_tokens": {"min": 0, "max": 8192, "resolution": 1},
+        "itl_ms": {"min": 0, "max": 100, "resolution": 1}, "mapping": [[0]]}}])
+    prefill, local = engine(DisaggregationRole.PREFILL), engine(DisaggregationRole.NONE)
+    processor = ProcessorStage({DEFAULT_MODEL: served_model(EngineKind.TORCH, DEFAULT_MODEL)},
+                               RouterOptions(local_prefill_max_tokens=48), config)
+    specs = [(Stage.PROCESSOR, processor), (Stage.PREFILL, PrefillStage(prefill, DEFAULT_MODEL)),
+             (Stage.DECODE, DecodeStage(engine(DisaggregationRole.DECODE, DecodeOnly), DEFAULT_MODEL)),
+             (Stage.DECODE, DecodeStage(local, DEFAULT_MODEL))]
+    disaggregated, aggregated = ServingMode.DISAGGREGATED, ServingMode.AGGREGATED
+    async with running_workers(bus, specs, model=DEFAULT_MODEL, mode=disaggregated, pools=[None, None, "pd", "local"],
+                               modes=[disaggregated, disaggregated, disaggregated, aggregated]):
+        client = client_of(bus)
+        before = (prefill.block_manager.prompt_tokens_seen, local.block_manager.prompt_tokens_seen)  # type: ignore[union-attr]
+        for prompt in (list(range(100, 130)), list(range(100, 300))):  # 30 and 200 tokens
+            async with await client.submit(completion(client, prompt, model=DEFAULT_MODEL, max_tokens=2),
+                                           first_frame_timeout_s=60) as stream:
+                _, final = await stream.collect()
+            assert isinstance(final, FinalFrame)
+        seen = (prefill.block_manager.prompt_tokens_seen - before[0],  # type: ignore[union-attr]
+                local.block_manager.prompt_tokens_seen - before[1])  # type: ignore[union-attr]
+    assert seen == (200, 30)  # the short prompt on the aggregated pool, the long one through the prefill worker

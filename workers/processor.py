@@ -15,9 +15,11 @@ LLM worker that encodes in-process (EPD).
 Routing (`--router`, bus/router.py): `queue` leaves a text prompt's task on the stage's shared queue;
 `kv` pins it to the replica of the prompt-running stage (decode aggregated, prefill disaggregated) whose
 cached prefix, against its load, makes it cheapest (an index built from the KV-event stream);
-`round-robin` and `random` pin without looking. With `--local-prefill-max-tokens N`, a disaggregated
-model's prompt with at most N tokens left to compute runs on a decode worker that can prefill itself. Tasks pinned to a replica that dies go back to the
-shared queue. Requests with images use the shared queue.
+`round-robin` and `random` pin without looking. With `--local-prefill-max-tokens N` (or `--prefill-busy-tokens N`:
+every prefill replica that busy), a disaggregated model's prompt with at most N tokens left to compute runs on a
+decode worker that can prefill itself (its decode pool's, else any pool's: SGLang's aggregated workers). A model served
+by pools (`--pools FILE`, bus/pools.py) gets each stage's pool from the request's targets and priority. Tasks pinned
+to a replica that dies go back to the shared queue. Requests with images use the shared queue (pools: `unsupported`).
 
 A request whose `model` is a LoRA adapter a ready worker has loaded (its card lists it) runs on the adapter's base
 model, with `lora_name` set; when only some replicas have it, the task is pinned to one of those. A request with a
@@ -241,9 +243,14 @@ class ProcessorStage:
                          if mode == ServingMode.DISAGGREGATED else [])
         # The stage that runs the prompt is the one whose prefix cache a router can aim at; a short prompt of a
         # disaggregated model may skip the prefill stage (conditional disaggregation).
-        remote = mode == ServingMode.DISAGGREGATED and not self._router.prefills_locally(
-            model.name, token_ids, cards, _first(decode_pools), _first(prefill_pools))
-        stage, pools = (Stage.PREFILL, prefill_pools) if remote else (Stage.DECODE, decode_pools)
+        local = (self._router.local_prefill(model.name, token_ids, cards, _first(decode_pools), _first(prefill_pools))
+                 if mode == ServingMode.DISAGGREGATED else None)
+        if mode == ServingMode.DISAGGREGATED and local is None:
+            stage, pools = Stage.PREFILL, prefill_pools
+        elif local is not None and local.pool != _first(decode_pools):
+            stage, pools = Stage.DECODE, [local.pool] if local.pool is not None else []
+        else:
+            stage, pools = Stage.DECODE, decode_pools
         route = self._router.route(stage, model.name, token_ids, cards, lora_name, pool=_first(pools))
         predicted = route.predicted_cached_tokens if route is not None else None
         task: DecodeTask | PrefillTask = (

@@ -354,11 +354,20 @@ class WorkerRuntime:
             started_at_s=time.time(), metrics_url=metrics_url, bootstrap=bootstrap, kv=kv,
             context_length=context_length, ready=ready, wire_version=WIRE_VERSION,
             accepts_media=self._stage.accepts_media,
-            prefills_locally=engine is not None and engine.info.prefills_in_decode_role,
+            prefills_locally=self._runs_prompts_itself(),
             lora_adapters=sorted(engine.loras()) if engine is not None else [],
             also_serves=list(self.options.also_serves), pool=self.options.pool,
             lora_failures=dict(self._adapters.failures) if self._adapters is not None else {},
         )
+
+    def _runs_prompts_itself(self) -> bool:
+        """A decode worker that can run a disaggregated model's prompt without a prefill worker: one started
+        aggregated (any engine), or whose engine prefills in the decode role too (torch, mock)."""
+        engine = self._stage.engine
+        if engine is None or self.options.stage != Stage.DECODE:
+            return False
+        aggregated = self.options.mode not in (ServingMode.DISAGGREGATED, ServingMode.ENCODE_DISAGGREGATED)
+        return aggregated or engine.info.prefills_in_decode_role
 
     def _start_background(self, nc: Any, js: Any) -> None:
         engine = self._stage.engine
