@@ -7,6 +7,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -226,6 +227,20 @@ async def test_prompts_run_on_the_decode_worker_while_every_prefill_replica_is_b
         await router.stop()
 
 
+async def prompt_tokens_computed(bus: Bus, prompts: list[list[int]], engines: list[Any]) -> list[int]:
+    """Send the prompts to the torch model one after another; the prompt tokens each engine computed meanwhile."""
+    from workers.engines.torch_engine.loader import DEFAULT_MODEL
+
+    client = client_of(bus)
+    before = [engine.block_manager.prompt_tokens_seen for engine in engines]
+    for prompt in prompts:
+        async with await client.submit(completion(client, prompt, model=DEFAULT_MODEL, max_tokens=2),
+                                       first_frame_timeout_s=60) as stream:
+            _, final = await stream.collect()
+        assert isinstance(final, FinalFrame)
+    return [engine.block_manager.prompt_tokens_seen - seen for engine, seen in zip(engines, before, strict=True)]
+
+
 async def test_a_disaggregated_models_prompts_go_to_the_prefill_pool_their_length_picks(bus: Bus) -> None:
     from workers.engines.protocol import DisaggregationRole
     from workers.engines.torch_engine.engine import TorchEngine, TorchEngineConfig
@@ -244,16 +259,8 @@ async def test_a_disaggregated_models_prompts_go_to_the_prefill_pool_their_lengt
              (Stage.PREFILL, PrefillStage(short, DEFAULT_MODEL)), (Stage.PREFILL, PrefillStage(long, DEFAULT_MODEL))]
     async with running_workers(bus, specs, model=DEFAULT_MODEL, mode=ServingMode.DISAGGREGATED,
                                pools=[None, None, "short", "long"]):
-        client = client_of(bus)
-        seen_before = (short.block_manager.prompt_tokens_seen, long.block_manager.prompt_tokens_seen)  # type: ignore[union-attr]
-        for prompt in (list(range(100, 140)), list(range(100, 300))):  # 40 and 200 tokens
-            async with await client.submit(completion(client, prompt, model=DEFAULT_MODEL, max_tokens=2),
-                                           first_frame_timeout_s=60) as stream:
-                _, final = await stream.collect()
-            assert isinstance(final, FinalFrame)
-        seen = (short.block_manager.prompt_tokens_seen - seen_before[0],  # type: ignore[union-attr]
-                long.block_manager.prompt_tokens_seen - seen_before[1])  # type: ignore[union-attr]
-    assert seen == (40, 200)
+        seen = await prompt_tokens_computed(bus, [list(range(100, 140)), list(range(100, 300))], [short, long])
+    assert seen == [40, 200]  # 40 and 200 tokens
 
 
 def test_the_example_pools_file_in_docs_is_valid() -> None:
@@ -293,13 +300,5 @@ async def test_short_prompts_run_on_an_aggregated_pool_when_the_decode_engines_c
     disaggregated, aggregated = ServingMode.DISAGGREGATED, ServingMode.AGGREGATED
     async with running_workers(bus, specs, model=DEFAULT_MODEL, mode=disaggregated, pools=[None, None, "pd", "local"],
                                modes=[disaggregated, disaggregated, disaggregated, aggregated]):
-        client = client_of(bus)
-        before = (prefill.block_manager.prompt_tokens_seen, local.block_manager.prompt_tokens_seen)  # type: ignore[union-attr]
-        for prompt in (list(range(100, 130)), list(range(100, 300))):  # 30 and 200 tokens
-            async with await client.submit(completion(client, prompt, model=DEFAULT_MODEL, max_tokens=2),
-                                           first_frame_timeout_s=60) as stream:
-                _, final = await stream.collect()
-            assert isinstance(final, FinalFrame)
-        seen = (prefill.block_manager.prompt_tokens_seen - before[0],  # type: ignore[union-attr]
-                local.block_manager.prompt_tokens_seen - before[1])  # type: ignore[union-attr]
-    assert seen == (200, 30)  # the short prompt on the aggregated pool, the long one through the prefill worker
+        seen = await prompt_tokens_computed(bus, [list(range(100, 130)), list(range(100, 300))], [prefill, local])
+    assert seen == [200, 30]  # the short prompt on the aggregated pool, the long one through the prefill worker
