@@ -248,7 +248,8 @@ def test_the_relay_publishes_sglangs_blocks_under_the_keys_a_router_computes() -
     assert [e.parent_block_hash for e in stored] == [None, keys[1]]  # type: ignore[union-attr]
     # Removals name SGLang's hashes; they leave as ours. A chain on a block never seen cannot be keyed: dropped.
     later = decode_event_frames(sglang_frame(2, [["BlockRemoved", [6, 999], None],
-                                                 ["BlockStored", [8], 424242, prompt[:16], 16, None, None]]))
+                                                 ["BlockStored", [8], 424242, prompt[:16], 16, None, None],
+                                                 ["BlockStored", [9], None, prompt[:16], 16, 3, None]]))  # an adapter's
     assert later is not None
     (removed,) = relay.translated(later[1]).events
     assert isinstance(removed, BlockRemoved) and removed.block_hashes == [keys[1]]

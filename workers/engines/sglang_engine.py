@@ -375,6 +375,10 @@ class BlockKeys:
         return event
 
     def _stored(self, event: BlockStored) -> BlockStored | None:
+        if event.lora_id is not None:
+            # SGLang names the adapter by a number of its own; our keys salt an adapter's blocks with its name
+            # (`lora_root`), unknown here. Left out, so that no prompt is credited with blocks it cannot use.
+            return None
         parent: int | None = None
         if event.parent_block_hash is not None:
             parent = self._ours.get(event.parent_block_hash)
