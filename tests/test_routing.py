@@ -6,7 +6,10 @@ import asyncio
 import random
 import signal
 
+import pytest
+
 from bus.kv_events import KvEventPublisher
+from bus.pools import PoolsConfig
 from bus.kv_index import Candidate, KvIndex, choose
 from bus.router import KvEventFeed, Router, RouterMode, RouterOptions
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch
@@ -142,9 +145,16 @@ async def test_a_repeated_prefix_goes_to_the_replica_that_holds_it(bus: Bus) -> 
     assert metric("conveyor_router_decisions_total", mode="kv", outcome="hit") >= 6
 
 
-async def test_pinned_tasks_of_a_killed_worker_go_back_to_the_shared_queue(bus: Bus) -> None:
-    async with worker_processes(bus.nats_settings.urls, bus.names.namespace, ["decode", "decode"]) as decoders:
-        processor = ProcessorStage({MOCK: served_model(EngineKind.MOCK, MOCK)}, RouterOptions(RouterMode.ROUND_ROBIN))
+@pytest.mark.parametrize("pool", [None, "cheap"])
+async def test_pinned_tasks_of_a_killed_worker_go_back_to_the_shared_queue(bus: Bus, pool: str | None) -> None:
+    """In a pool, back to the pool's queue (the model's is pulled by nobody there)."""
+    env = {"CONVEYOR_POOL": pool} if pool else {}
+    pools = PoolsConfig(models=[{"model": MOCK, "aggregated": {  # type: ignore[list-item]
+        "pools": [pool], "ttft_ms": {"min": 0, "max": 1, "resolution": 1}, "itl_ms": {"min": 0, "max": 1, "resolution": 1},
+        "mapping": [[0]]}}]) if pool else None
+    async with worker_processes(bus.nats_settings.urls, bus.names.namespace, ["decode", "decode"], **env) as decoders:
+        processor = ProcessorStage({MOCK: served_model(EngineKind.MOCK, MOCK)}, RouterOptions(RouterMode.ROUND_ROBIN),
+                                   pools)
         async with running_workers(bus, [(Stage.PROCESSOR, processor)]):
             client = client_of(bus)
             await wait_for_workers(client, num_workers=3, timeout_s=60)
