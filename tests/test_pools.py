@@ -302,3 +302,12 @@ async def test_short_prompts_run_on_an_aggregated_pool_when_the_decode_engines_c
                                modes=[disaggregated, disaggregated, disaggregated, aggregated]):
         seen = await prompt_tokens_computed(bus, [list(range(100, 130)), list(range(100, 300))], [prefill, local])
     assert seen == [200, 30]  # the short prompt on the aggregated pool, the long one through the prefill worker
+
+
+async def test_status_shows_each_workers_pool(bus: Bus, pooled: tuple[DecodeStage, DecodeStage]) -> None:
+    from workers.client_commands import status
+
+    lines = (await status(bus.nats_settings, bus.settings)).splitlines()
+    assert lines[0].split()[:5] == ["worker", "stage", "model", "mode", "pool"]
+    pools_by_stage = sorted((line.split()[1], line.split()[4]) for line in lines[1:] if line and "ready models" not in line)
+    assert pools_by_stage == [("decode", "cheap"), ("decode", "fast"), ("processor", "-")]

@@ -155,11 +155,13 @@ async def status(nats: NatsSettings, bus: BusSettings) -> str:
         cards = await client.live_workers()
     if not cards:
         return f"no live workers in namespace {bus.namespace!r}"
-    lines = [f"{'worker':<40} {'stage':<10} {'model':<28} {'mode':<20} {'engine':<7} {'ready':<6} {'kv used':>9}  metrics"]
+    lines = [f"{'worker':<40} {'stage':<10} {'model':<28} {'mode':<20} {'pool':<10} {'engine':<7} {'ready':<6} "
+             f"{'kv used':>9}  metrics"]
     for card in cards:
         kv = f"{card.kv.used_blocks}/{card.kv.total_blocks}" if card.kv else "-"
         lines.append(f"{card.worker_id:<40} {card.stage.value:<10} {card.model:<28} {card.mode.value:<20} "
-                     f"{card.engine:<7} {'yes' if card.ready else 'no':<6} {kv:>9}  {card.metrics_url or '-'}")
+                     f"{card.pool or '-':<10} {card.engine:<7} {'yes' if card.ready else 'no':<6} {kv:>9}  "
+                     f"{card.metrics_url or '-'}")
     models = ready_models(cards)
     lines.append("")
     lines.append("ready models: " + (", ".join(f"{m} ({mode.value})" for m, mode in sorted(models.items())) or "none"))
