@@ -31,3 +31,41 @@ async def test_a_request_is_one_trace_across_the_stages(bus: Bus, monkeypatch: p
     assert spans["processor"].parent.span_id == spans["submit"].context.span_id
     assert spans["decode"].parent.span_id == spans["processor"].context.span_id
     assert spans["decode"].attributes["request_id"] == spans["processor"].attributes["request_id"]
+
+
+async def test_every_log_line_of_a_request_carries_its_request_and_trace_ids(bus: Bus) -> None:
+    """Read from a worker process's own stderr (JSON lines when it is not a terminal), so no logger cached in this
+    process can hide a line."""
+    import asyncio
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tests.pipeline_helpers import MOCK, REPO_ROOT
+
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CONVEYOR_NAMESPACE": bus.names.namespace,
+           "CONVEYOR_NATS_URLS": ",".join(bus.nats_settings.urls)}
+    processor = subprocess.Popen([sys.executable, "-m", "workers.cli", "worker", "processor", "--engine", "mock",
+                                  "--model", MOCK, "--log-level", "INFO", "--shutdown-grace-s", "1"],
+                                 cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    caller = TraceContext.new()
+    try:
+        async with running_workers(bus, [(Stage.DECODE, mock_decode(inter_token_s=0.001))]):
+            client = client_of(bus)
+            deadline = time.monotonic() + 60
+            while not any(c.stage == Stage.PROCESSOR and c.ready for c in await client.live_workers()):
+                assert time.monotonic() < deadline and processor.poll() is None, "the processor did not start"
+                await asyncio.sleep(0.2)
+            request = chat(client, "hello", max_tokens=3)
+            async with await client.submit(request, trace=caller) as stream:
+                _, final = await stream.collect()
+            assert isinstance(final, FinalFrame)
+    finally:
+        processor.terminate()
+        _, stderr = processor.communicate(timeout=30)
+    lines = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
+    mine = [line for line in lines if line.get("request_id") == request.request_id]
+    assert mine, "the processor logged nothing for the request"
+    assert all(line.get("trace_id") == caller.trace_id for line in mine), mine
