@@ -118,8 +118,8 @@ class Router:
         self._feed = KvEventFeed(js, names, KvIndex())
         self._turn = itertools.count()
         self._rng = random.Random()
-        # (when, prompt blocks, prompt tokens) sent to each worker lately: its card's KV use does not show them yet.
-        self._recent: dict[str, deque[tuple[float, int, int]]] = {}
+        # (when, prompt blocks) sent to each worker lately: its card's KV use does not show them yet.
+        self._recent: dict[str, deque[tuple[float, int]]] = {}
         # (stage, model, worker, its pool) this router pinned tasks to, to unpin when the worker is gone.
         self._pinned_to: set[tuple[Stage, str, str, str | None]] = set()
         self._unpinning: set[asyncio.Task[None]] = set()
@@ -206,7 +206,7 @@ class Router:
         else:
             chosen, cached_blocks, block_size = self._by_kv(workers, token_ids, lora_name)
         self._pinned_to.add((stage, model, chosen.worker_id, pool))
-        self._note_sent(chosen.worker_id, len(token_ids) // block_size - cached_blocks, block_size)
+        self._note_sent(chosen.worker_id, len(token_ids) // block_size - cached_blocks)
         predicted = cached_blocks * block_size
         ROUTER_DECISIONS.labels(mode=self.options.mode.value, outcome="hit" if predicted else "miss").inc()
         ROUTER_PREDICTED_TOKENS.inc(predicted)
@@ -252,7 +252,8 @@ class Router:
         """Prompt tokens a prefill worker has waiting: its last load report's, plus what this router sent it since."""
         reported = self._loads.get(card.worker_id)
         since_s, waiting = (reported[0], reported[1].waiting_prompt_tokens) if reported is not None else (0.0, 0)
-        return waiting + sum(tokens for sent_s, _, tokens in self._recent.get(card.worker_id, ()) if sent_s > since_s)
+        sent_blocks = sum(blocks for sent_s, blocks in self._recent.get(card.worker_id, ()) if sent_s > since_s)
+        return waiting + sent_blocks * self._block_size([card])
 
     def forget_gone(self, live_cards: list[WorkerCard]) -> None:
         """Drop the index entries of workers whose cards expired and unpin their tasks (in the background)."""
@@ -301,12 +302,12 @@ class Router:
             since_s, used = 0.0, card.kv.used_blocks if card.kv is not None else 0
         now = time.monotonic()
         return used + sum(blocks * math.exp(-(now - sent_s) / _RECENT_FADE_S)
-                          for sent_s, blocks, _ in self._recent.get(card.worker_id, ()) if sent_s > since_s)
+                          for sent_s, blocks in self._recent.get(card.worker_id, ()) if sent_s > since_s)
 
-    def _note_sent(self, worker_id: str, blocks: int, block_size: int) -> None:
+    def _note_sent(self, worker_id: str, blocks: int) -> None:
         recent = self._recent.setdefault(worker_id, deque())
         now = time.monotonic()
-        recent.append((now, max(0, blocks), max(0, blocks) * block_size))
+        recent.append((now, max(0, blocks)))
         while recent and recent[0][0] < now - 5 * _RECENT_FADE_S:
             recent.popleft()
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -300,16 +299,22 @@ def worker(
     from workers.image import ImageStorage
     from workers.stages import build_stage, default_image_storage
 
+    from pydantic import TypeAdapter, ValidationError
+
     from bus.pools import PoolsConfig, PoolsConfigError
+    from schemas.registry import PoolName
 
     configure_logging(log_level)
     nats_settings, bus_settings = load_settings(nats, namespace)
     stage_kind, serving_mode, engine_kind = Stage(stage), ServingMode(mode), EngineKind(engine)
+    pool = pool or None  # an empty CONVEYOR_POOL (e.g. from a compose file) is none
     if pool is not None and stage_kind not in (Stage.PREFILL, Stage.DECODE):
         raise typer.BadParameter(f"--pool is for prefill and decode workers, not {stage}")
-    if pool is not None and not re.fullmatch(r"[A-Za-z0-9_\-]{1,32}", pool):
-        raise typer.BadParameter(f"{pool!r}: a pool name is 1 to 32 letters, digits, '_' or '-'", param_hint="--pool")
-    pool = pool or None  # an empty CONVEYOR_POOL (e.g. from a compose file) is none
+    try:
+        pool = TypeAdapter(PoolName).validate_python(pool) if pool is not None else None
+    except ValidationError:
+        raise typer.BadParameter(f"{pool!r}: a pool name is 1 to 32 letters, digits, '_' or '-'",
+                                 param_hint="--pool") from None
     try:
         pools_config = PoolsConfig.from_file(Path(pools)) if pools else None
     except PoolsConfigError as error:
@@ -324,7 +329,8 @@ def worker(
                                       local_prefill_max_tokens, prefill_busy_tokens),
                         image_storage=storage, pools=pools_config)
     options = WorkerOptions(
-        stage=stage_kind, model=models[0], also_serves=tuple(models[1:]), mode=serving_mode, engine_name=engine_kind.value, http_host=http_host,
+        stage=stage_kind, model=models[0], also_serves=tuple(models[1:]), mode=serving_mode,
+        engine_name=engine_kind.value, http_host=http_host,
         http_port=http_port, max_concurrency=max_concurrency or _DEFAULT_CONCURRENCY.get(stage_kind, 32),
         shutdown_grace_s=shutdown_grace_s,
         coalesce_window_s=coalesce_ms / 1000, pool=pool,

@@ -3,8 +3,9 @@
 Consumes `PrefillTask` from `{ns}.work.prefill.{model}`. For each task it takes a bootstrap room
 (the task's, when a router chose one, else a random 63-bit number), starts the prompt on its engine
 with that room, publishes the `DecodeTask` carrying `{bootstrap_host, bootstrap_port,
-bootstrap_room}` to `{ns}.work.decode.{model}` (or the decode pool the processor chose: bus/pools.py), and acks only when the handoff is done (the decode
-engine has read the KV), so a worker that dies mid-prefill leaves the task to be redelivered.
+bootstrap_room}` to `{ns}.work.decode.{model}` (or the decode pool the processor chose: bus/pools.py), and
+acks only when the handoff is done (the decode engine has read the KV), so a worker that dies mid-prefill
+leaves the task to be redelivered.
 
 Emits nothing to the client: the decode stage streams. The prompt is registered with the engine
 before the decode task is published; a decode engine that asks first simply waits for the room.
@@ -16,8 +17,8 @@ redelivered prefill, whose decode task JetStream drops as a duplicate, aborts.
 Fails how: an engine failure before the decode task is published → retried (nak with backoff);
 after it, the decode side reports the failed handoff, so the prefill acks rather than run the
 prompt twice. A task given faster pools to retry on goes to the next of them instead of failing, once its
-retries here are spent (nothing was streamed yet). A `Cancel` aborts the prefill and frees its blocks; the decode stage, which hears the
-same cancel, tells the client `cancelled`.
+retries here are spent (nothing was streamed yet). A `Cancel` aborts the prefill and frees its blocks; the
+decode stage, which hears the same cancel, tells the client `cancelled`.
 """
 
 from __future__ import annotations

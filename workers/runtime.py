@@ -393,14 +393,14 @@ class WorkerRuntime:
         subject, last = self._names.load_subject(self.options.worker_id), None
         while not await sleep_unless(self._stopping, interval_s):
             load = engine.load()
-            now = (load.kv_used_blocks, load.running_requests, load.waiting_requests, load.waiting_prompt_tokens)
-            if now == last:
+            report = WorkerLoad(worker_id=self.options.worker_id, kv_used_blocks=load.kv_used_blocks,
+                                running_requests=load.running_requests, waiting_requests=load.waiting_requests,
+                                waiting_prompt_tokens=load.waiting_prompt_tokens)
+            if report == last:
                 continue
-            report = WorkerLoad(worker_id=self.options.worker_id, kv_used_blocks=now[0], running_requests=now[1],
-                                waiting_requests=now[2], waiting_prompt_tokens=now[3])
             try:
                 await nc.publish(subject, encode(report))
-                last = now
+                last = report
             except Exception as error:  # NATS away: the next change is reported
                 log.debug("load.publish_failed", error=repr(error))
 

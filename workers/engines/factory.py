@@ -47,13 +47,9 @@ def create_engine(kind: EngineKind, model: str | None, role: DisaggregationRole 
             if role != DisaggregationRole.NONE:
                 raise ValueError("a diffusion LM runs aggregated (prefill and decode are one denoising loop)")
             return DiffusionLMEngine(model_dir, model or DEFAULT_MODEL)
-        sizing = TorchEngineSettings()
+        settings = TorchEngineSettings()
         return TorchEngine(TorchEngineConfig(model=model or DEFAULT_MODEL, role=role, load_format=load_format,
-                                             device=sizing.device,
-                                             kv_cache_tokens=sizing.kv_cache_tokens,
-                                             max_running_requests=sizing.max_running_requests,
-                                             max_step_tokens=sizing.max_step_tokens,
-                                             bootstrap_host=sizing.bootstrap_host))
+                                             **settings.model_dump()))
     if kind == EngineKind.MOCK:
         from workers.engines.mock import MockEngine, MockEngineConfig
 
