@@ -92,6 +92,8 @@ class EncodedImages(WireModel):
 
     token_ids: list[int] = Field(min_length=1)
     rows: NixlHandle | None = None
+    # Each image's (t, h, w) patch grid, for models that position image tokens on it (Qwen2-VL's M-RoPE).
+    image_grids: list[tuple[int, int, int]] | None = None
 
 
 class Task(WireModel):

@@ -1,5 +1,7 @@
-"""Benchmark multimodal serving on the torch engine: EPD vs E/PD, the embedding cache, encode scale-out,
-and why embeddings travel over NIXL rather than inside NATS messages.
+"""Benchmark multimodal serving: EPD vs E/PD, the embedding cache, encode scale-out, and why embeddings
+travel over NIXL rather than inside NATS messages. The torch engine by default; `--engine sglang` with a
+Qwen2-VL-shaped model on the GPU machine (the encode workers run its vision tower on the GPU, SGLang takes
+the rows as precomputed embeddings).
 
 One run starts an embedded nats-server and the workers as separate processes (`conveyor worker ...`,
 exactly as deployed), in turn:
@@ -15,6 +17,7 @@ Then, in this process, it moves embedding-sized buffers over NIXL (UCX, host mem
 
     .venv/bin/python scripts/bench_multimodal.py
     .venv/bin/python scripts/bench_multimodal.py --requests 8 --image-px 512
+    bash scripts/gpu_run.sh python3 scripts/bench_multimodal.py --engine sglang --model .gpu/qwen2vl --load-format dummy
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ def spawn(stages: list[str], url: str, namespace: str, mode: str, args: argparse
     if args.threads_per_worker:
         env["OMP_NUM_THREADS"] = str(args.threads_per_worker)
     return [subprocess.Popen([sys.executable, "-m", "workers.cli", "worker", stage, "--mode", mode, "--model", args.model,
+                              "--engine", args.engine,
                               "--load-format", args.load_format, "--log-level", "ERROR"], cwd=ROOT, env=env)
             for stage in stages]
 
@@ -190,8 +194,8 @@ async def main(args: argparse.Namespace) -> None:
     one_encoder = e_pd["req_per_s_8img"]
     two_encoders = (await run_topology("E/PD ×2 encode", ["processor", "encode", "encode", "decode"], "encode-aggregated",
                                        args, measure="throughput"))["req_per_s_8img"]
-    print(f"\ntorch engine, CPU ({os.cpu_count()} cores), {args.image_px}px noise PNGs, 16 rows per image, "
-          f"medians of {args.requests} requests\n")
+    print(f"\n{args.engine} engine, {os.cpu_count()} cores, {args.image_px}px noise PNGs, medians of {args.requests} "
+          f"requests\n")
     print(f"{'measure':<34} {'EPD':>10} {'E/PD':>10} {'E/PD ÷ EPD':>11}")
     for key, label in [("ttft_cold_1", "TTFT ms, 1 image, cache cold"), ("ttft_warm_1", "TTFT ms, 1 image, cache warm"),
                        ("ttft_cold_8", "TTFT ms, 8 images, cache cold"), ("ttft_warm_8", "TTFT ms, 8 images, cache warm"),
@@ -232,6 +236,8 @@ if __name__ == "__main__":
     parser.add_argument("--concurrency", type=int, default=4, help="half the requests sent at once for requests/s")
     parser.add_argument("--image-px", type=int, default=512)
     parser.add_argument("--model", default=DEFAULT_MODEL, help="a model directory, or the bundled default")
+    parser.add_argument("--engine", default="torch", choices=["torch", "sglang"],
+                        help="sglang: a Qwen2-VL-family --model, on a GPU machine")
     parser.add_argument("--load-format", default="auto", help="auto, or dummy (random weights of the config's shape)")
     parser.add_argument("--threads-per-worker", type=int, default=0, help="OMP_NUM_THREADS of each worker (0: torch's)")
     parser.add_argument("--only-scale-out", action="store_true", help="only the encode scale-out measure")

@@ -7,6 +7,8 @@
 #   .gpu/conveyor-deps.tar.xz Conveyor's own runtime dependencies the GPU image lacks (nats-py, the
 #                              nats-server binary, structlog, pydantic-settings, typer, aiohttp, ...)
 #   .gpu/smol/                 SmolLM2-135M-Instruct's config and tokenizer (weights: load_format=dummy)
+#   .gpu/qwen2vl/              a small Qwen2-VL-shaped model (scripts/tiny_qwen2_vl.py; load_format=dummy)
+#   .gpu/torchvision.tar.xz    torchvision 0.26 (cu130): SGLang loads a vision-language model's HF processor with it
 #   .gpu/bin/py-spy            the profiler (one static binary, 8 MiB)
 #   .gpu/nixl.tar.xz           with WITH_NIXL=1: NIXL for SGLang's disaggregated transfer (carry it separately)
 # Targets: CPython 3.12, manylinux x86_64, torch 2.11 preinstalled (see docs/gpu.md). About 2 minutes.
@@ -99,5 +101,13 @@ for item in source.iterdir():
     if item.suffix != ".safetensors":
         shutil.copy2(item, target / item.name)
 PY
+fi
+if [ ! -f "$OUT/torchvision.tar.xz" ]; then
+    say "packing torchvision for SGLang's vision-language models"
+    pack torchvision torchvision==0.26.0
+fi
+if [ ! -f "$OUT/qwen2vl/config.json" ]; then
+    say "writing a small Qwen2-VL-shaped model"
+    .venv/bin/python scripts/tiny_qwen2_vl.py "$OUT/qwen2vl" --text-model "$OUT/smol"
 fi
 du -sh "$OUT"/* >&2

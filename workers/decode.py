@@ -58,7 +58,7 @@ from schemas.sampling import SamplingOptions, StopConditions
 from schemas.tasks import DecodeTask, PrefillTask
 from workers.engines.protocol import (Engine, GenerateOutput, GenerateRequest, ResumedOutput, TransferFailed,
                                       UnsupportedOption)
-from workers.media import ImageInputs, MediaError
+from workers.media import EncodedPrompt, ImageInputs, MediaError
 from workers.runtime import StageContext
 
 log = structlog.get_logger(__name__)
@@ -134,17 +134,17 @@ class DecodeStage:
         bootstrap = task.bootstrap if resumed is None else None
         if bootstrap is not None:
             # The prompt's KV, images included, comes from the prefill engine.
-            images: tuple[list[int], Any] | None = (prompt_of(task), None)
+            prompt: EncodedPrompt | None = EncodedPrompt(prompt_of(task))
         else:
-            images = await resolve_images(self._images, task, delivery)
-        if images is None:
+            prompt = await resolve_images(self._images, task, delivery)
+        if prompt is None:
             return
-        token_ids, image_rows = images
         generated = resumed.token_ids if resumed is not None else []
         request = GenerateRequest(
             request_id=task.request_id,
-            token_ids=token_ids + generated,
-            image_rows=image_rows,
+            token_ids=prompt.token_ids + generated,
+            image_rows=prompt.rows,
+            image_grids=prompt.grids,
             sampling=task.request.sampling,
             stop=_remaining(task.request.stop, len(generated)),
             output=task.request.output,
@@ -234,11 +234,11 @@ class DecodeStage:
                 log.warning("decode.prefill_lost", error=str(error))
                 MIGRATIONS.labels(stage=Stage.PREFILL.value, outcome="prefilled_by_decode").inc()
                 stopper.cancel()
-                images = await resolve_images(self._images, task, delivery)
-                if images is None:
+                prompt = await resolve_images(self._images, task, delivery)
+                if prompt is None:
                     return "error"
-                token_ids, image_rows = images
-                local = replace(request, bootstrap=None, token_ids=token_ids, image_rows=image_rows)
+                local = replace(request, bootstrap=None, token_ids=prompt.token_ids, image_rows=prompt.rows,
+                                image_grids=prompt.grids)
                 return await self._stream(task, local, reply, delivery, num_streamed)
             await reply.fail(ErrorCode.WORKER_LOST, f"KV handoff failed: {error}", retryable=True)
             return "error"
@@ -401,13 +401,13 @@ def prompt_of(task: DecodeTask | PrefillTask) -> list[int]:
 
 
 async def resolve_images(images: ImageInputs | None, task: DecodeTask | PrefillTask,
-                         delivery: Delivery) -> tuple[list[int], Any] | None:
+                         delivery: Delivery) -> EncodedPrompt | None:
     """The prompt and image rows to run: read over NIXL (E/PD, E/P/D) or encoded here (EPD, or when the
     rows cannot be read). None when the client was already told why not (retryable `worker_lost`)."""
     if images is None:
         if task.request.media:
             raise RejectRequest(ErrorCode.UNSUPPORTED, "this worker has no image path; start encode workers for the model")
-        return task.request.token_ids, None
+        return EncodedPrompt(task.request.token_ids)
     try:
         return await images.resolve(task.request_id, task.request.token_ids, task.request.media, task.encoded_images,
                                     first_delivery=delivery.num_delivered == 1)

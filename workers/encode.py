@@ -66,10 +66,10 @@ class EncodeStage:
             await self._exporter.close()
 
     async def canary(self) -> None:
-        placeholder = self._encoder.placeholder_id
-        encoded = await self._encoder.encode([1, placeholder, 2], [canary_image()])
-        if encoded.rows.shape[0] != self._encoder.tokens_per_image:
-            raise RuntimeError(f"vision tower gave {encoded.rows.shape[0]} rows, expected {self._encoder.tokens_per_image}")
+        encoded = await self._encoder.encode([1, self._encoder.placeholder_id, 2], [canary_image()])
+        num_rows = 0 if encoded.rows is None else int(encoded.rows.shape[0])
+        if not num_rows or num_rows != len(encoded.token_ids) - 2:
+            raise RuntimeError(f"vision tower gave {num_rows} rows for {len(encoded.token_ids) - 2} image tokens")
 
     async def handle(self, task: EncodeTask, delivery: Delivery) -> None:
         assert self._context is not None and self._exporter is not None
@@ -86,9 +86,11 @@ class EncodeStage:
         if delivery.cancelled.is_set():
             await delivery.reply.finish(FinishReason.CANCELLED, Usage.of(len(encoded.token_ids), 0))
             return
+        assert encoded.rows is not None  # an encode task has at least one image
         handle = await self._exporter.offer(task.request_id, encoded.rows, wait_for_space_s=self._handoff_timeout_s)
         # The request goes on with its images: a reader that finds this worker dead encodes them itself.
-        images = EncodedImages(token_ids=encoded.token_ids, rows=handle)
+        images = EncodedImages(token_ids=encoded.token_ids, rows=handle,
+                               image_grids=list(encoded.grids) if encoded.grids is not None else None)
         stage = Stage.PREFILL if task.next_stage == "prefill" else Stage.DECODE
         next_task = (PrefillTask(header=task.header, request=task.request, encoded_images=images)
                      if stage == Stage.PREFILL else DecodeTask(header=task.header, request=task.request, encoded_images=images))

@@ -5,9 +5,10 @@ when no encode worker is live (EPD).
   `http(s)://` URLs fetched with a time and size limit — all items of a request concurrently.
   Limits (`MediaLimits`, from `CONVEYOR_MEDIA_*`): images per request, bytes per image, pixels per
   image (decompression bombs are refused from the header, before any pixel is decoded).
-- Encoding (`MediaEncoder.encode`): the vision tower runs on the images not in the LRU cache (keyed by
-  the content hash of the media bytes, sized in bytes), and each image's one placeholder token is
-  expanded to its rows' pad ids (see `torch_engine.vision`).
+- Encoding (`MediaEncoder.encode`): the model's vision tower (an `ImageTower`: the torch engine's seeded
+  tower, or a Qwen2-VL-family tower for SGLang) runs on the images not in the LRU cache (keyed by the
+  content hash of the media bytes, sized in bytes), and each image's one placeholder token is expanded
+  to as many tokens as the image has rows (the tower's `pad_ids`).
 
 Fails how: every problem with the media itself — not an image, truncated, too large, too many,
 unreachable, a scheme we do not read, fewer placeholders than images — is a `MediaError` with the
@@ -36,8 +37,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from bus.metrics import MEDIA_CACHE, MIGRATIONS
 from schemas.replies import ErrorCode
 from schemas.tasks import EncodedImages, MediaItem, NixlHandle
-from workers.engines.protocol import TransferFailed
-from workers.engines.torch_engine.vision import VisionTower, pad_id, placeholder_id, preprocess
+from workers.engines.protocol import EncodedImage, ImageGrid, ImageTower, TransferFailed
 from workers.media_transfer import EmbeddingReader
 
 log = structlog.get_logger(__name__)
@@ -153,88 +153,90 @@ def _decode_image(data: bytes, limits: MediaLimits, index: int) -> Image.Image:
 
 
 class EmbeddingCache:
-    """Rows per content hash, least recently used evicted first, bounded in bytes."""
+    """Encoded images per content hash, least recently used evicted first, bounded in bytes."""
 
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
         self.size_bytes = 0
-        self._rows: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._images: OrderedDict[int, EncodedImage] = OrderedDict()
 
-    def get(self, content_hash: int) -> torch.Tensor | None:
-        rows = self._rows.get(content_hash)
-        MEDIA_CACHE.labels(result="hit" if rows is not None else "miss").inc()
-        if rows is not None:
-            self._rows.move_to_end(content_hash)
-        return rows
+    def get(self, content_hash: int) -> EncodedImage | None:
+        image = self._images.get(content_hash)
+        MEDIA_CACHE.labels(result="hit" if image is not None else "miss").inc()
+        if image is not None:
+            self._images.move_to_end(content_hash)
+        return image
 
-    def put(self, content_hash: int, rows: torch.Tensor) -> None:
-        size = rows.numel() * rows.element_size()
-        if size > self.capacity_bytes or content_hash in self._rows:
+    def put(self, content_hash: int, image: EncodedImage) -> None:
+        size = _size_bytes(image)
+        if size > self.capacity_bytes or content_hash in self._images:
             return
-        self._rows[content_hash] = rows
+        self._images[content_hash] = image
         self.size_bytes += size
         while self.size_bytes > self.capacity_bytes:
-            _, evicted = self._rows.popitem(last=False)
-            self.size_bytes -= evicted.numel() * evicted.element_size()
+            _, evicted = self._images.popitem(last=False)
+            self.size_bytes -= _size_bytes(evicted)
+
+
+def _size_bytes(image: EncodedImage) -> int:
+    return image.rows.numel() * image.rows.element_size()
 
 
 @dataclass(frozen=True, slots=True)
 class EncodedPrompt:
-    # The prompt with each image's placeholder expanded to its pad ids.
+    # The prompt with each image placeholder expanded to its image's tokens.
     token_ids: list[int]
-    # [image tokens, hidden] float32, in the order of the pad positions.
-    rows: torch.Tensor
+    # [image tokens, hidden] float32, in the order of the image tokens; None for a prompt without images.
+    rows: torch.Tensor | None = None
+    # Each image's (t, h, w) patch grid, for towers that report one (Qwen2-VL); None otherwise.
+    grids: tuple[ImageGrid, ...] | None = None
 
 
 class MediaEncoder:
     """Load → cache lookup → vision tower (in a thread) → placeholder expansion."""
 
-    def __init__(self, tower: VisionTower, vocab_size: int, limits: MediaLimits) -> None:
+    def __init__(self, tower: ImageTower, limits: MediaLimits) -> None:
         self._tower = tower
-        self._vocab_size = vocab_size
         self.limits = limits
         self.cache = EmbeddingCache(limits.cache_bytes)
         # One image batch at a time: the tower uses every core already.
         self._lock = asyncio.Lock()
 
     @property
-    def tokens_per_image(self) -> int:
-        return self._tower.config.tokens_per_image
-
-    @property
     def placeholder_id(self) -> int:
-        return placeholder_id(self._vocab_size)
+        return self._tower.placeholder_id
 
     async def encode(self, token_ids: list[int], items: list[MediaItem]) -> EncodedPrompt:
-        num_placeholders = token_ids.count(placeholder_id(self._vocab_size))
+        num_placeholders = token_ids.count(self.placeholder_id)
         if num_placeholders != len(items):
             raise MediaError(ErrorCode.INVALID_REQUEST,
                              f"the prompt has {num_placeholders} image placeholders for {len(items)} images")
         images = await load_media(items, self.limits)
-        rows = await self._rows_of(images)
-        return EncodedPrompt(self._expand(token_ids, images), torch.cat(rows) if rows else torch.empty(0))
+        encoded = await self._encoded(images)
+        grids = tuple(image.grid for image in encoded if image.grid is not None)
+        return EncodedPrompt(self._expand(token_ids, images, encoded),
+                             torch.cat([image.rows for image in encoded]) if encoded else None,
+                             grids if len(grids) == len(encoded) and grids else None)
 
-    async def _rows_of(self, images: list[LoadedImage]) -> list[torch.Tensor]:
+    async def _encoded(self, images: list[LoadedImage]) -> list[EncodedImage]:
         cached = [self.cache.get(image.content_hash) for image in images]
-        missing = [image for image, rows in zip(images, cached) if rows is None]
-        if missing:
-            async with self._lock:
-                computed = await asyncio.to_thread(self._encode_images, [image.image for image in missing])
-            fresh = {image.content_hash: computed[index].contiguous() for index, image in enumerate(missing)}
-            for content_hash, rows in fresh.items():
-                self.cache.put(content_hash, rows)
-            return [rows if rows is not None else fresh[image.content_hash] for image, rows in zip(images, cached)]
-        return [rows for rows in cached if rows is not None]  # all cached
+        missing = [image for image, hit in zip(images, cached) if hit is None]
+        if not missing:
+            return [hit for hit in cached if hit is not None]
+        async with self._lock:
+            computed = await asyncio.to_thread(self._tower.encode, [image.image for image in missing])
+        fresh = {image.content_hash: encoded for image, encoded in zip(missing, computed)}
+        for content_hash, encoded in fresh.items():
+            self.cache.put(content_hash, encoded)
+        return [hit if hit is not None else fresh[image.content_hash] for image, hit in zip(images, cached)]
 
-    def _encode_images(self, images: list[Image.Image]) -> torch.Tensor:
-        pixels = torch.stack([preprocess(image, self._tower.config) for image in images])
-        return self._tower(pixels)
-
-    def _expand(self, token_ids: list[int], images: list[LoadedImage]) -> list[int]:
-        placeholder, expanded, next_image = placeholder_id(self._vocab_size), [], 0
+    def _expand(self, token_ids: list[int], images: list[LoadedImage], encoded: list[EncodedImage]) -> list[int]:
+        expanded: list[int] = []
+        next_image = 0
         for token in token_ids:
-            if token == placeholder:
-                expanded += [pad_id(self._vocab_size, images[next_image].content_hash)] * self.tokens_per_image
+            if token == self.placeholder_id:
+                num_rows = int(encoded[next_image].rows.shape[0])
+                expanded += self._tower.pad_ids(images[next_image].content_hash, num_rows)
                 next_image += 1
             else:
                 expanded.append(token)
@@ -254,8 +256,8 @@ class ImageInputs:
         self._transfer_timeout_s = transfer_timeout_s
 
     async def resolve(self, request_id: str, token_ids: list[int], items: list[MediaItem],
-                      encoded: EncodedImages | None, first_delivery: bool = True) -> tuple[list[int], torch.Tensor | None]:
-        """The prompt to run and its image rows (None for a text prompt): read over NIXL when an encode
+                      encoded: EncodedImages | None, first_delivery: bool = True) -> EncodedPrompt:
+        """The prompt to run with its image rows (none for a text prompt): read over NIXL when an encode
         worker offers them, else encoded here. Raises `MediaError`, or `TransferFailed` when the rows cannot
         be read and this worker cannot encode the images itself.
 
@@ -265,7 +267,8 @@ class ImageInputs:
             try:
                 if not first_delivery:
                     raise TransferFailed("the task was redelivered; its image rows may have been read already")
-                return encoded.token_ids, await self._read(encoded.rows, request_id)
+                grids = tuple(encoded.image_grids) if encoded.image_grids is not None else None
+                return EncodedPrompt(encoded.token_ids, await self._read(encoded.rows, request_id), grids)
             except TransferFailed as error:
                 if self.encoder is None or not items:
                     raise
@@ -273,12 +276,11 @@ class ImageInputs:
                 log.warning("images.encoding_here", reason=str(error))
                 MIGRATIONS.labels(stage="encode", outcome="encoded_by_llm_worker").inc()
         if not items:
-            return token_ids, None
+            return EncodedPrompt(token_ids)
         if self.encoder is None:
             raise MediaError(ErrorCode.UNSUPPORTED, "this worker's engine has no vision path; start encode workers "
                              "for the model or serve a multimodal model")
-        here = await self.encoder.encode(token_ids, items)
-        return here.token_ids, here.rows
+        return await self.encoder.encode(token_ids, items)
 
     async def _read(self, handle: NixlHandle, request_id: str) -> torch.Tensor:
         if self._reader is None:

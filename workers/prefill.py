@@ -86,12 +86,12 @@ class PrefillStage:
         bootstrap = BootstrapInfo(bootstrap_host=endpoint.host, bootstrap_port=endpoint.port, bootstrap_room=room)
         if task.request.lora_name is not None and self._context.adapters is not None:
             await self._context.adapters.ensure(task.request.lora_name)
-        images = await resolve_images(self._images, task, delivery)
-        if images is None:
+        prompt = await resolve_images(self._images, task, delivery)
+        if prompt is None:
             return
-        token_ids, image_rows = images
         request = GenerateRequest(
-            request_id=task.request_id, token_ids=token_ids, image_rows=image_rows, sampling=task.request.sampling,
+            request_id=task.request_id, token_ids=prompt.token_ids, image_rows=prompt.rows, image_grids=prompt.grids,
+            sampling=task.request.sampling,
             stop=task.request.stop, output=task.request.output, guided=task.request.guided, bootstrap=bootstrap,
             priority=task.request.priority, lora_name=task.request.lora_name,
         )
@@ -100,7 +100,8 @@ class PrefillStage:
         await asyncio.sleep(0)
         # The decode engine receives the KV of the prompt as run here (images expanded); the images go along
         # so that it can run the prompt itself should this worker die before the handoff.
-        encoded = EncodedImages(token_ids=token_ids) if task.request.media else None
+        grids = list(prompt.grids) if prompt.grids is not None else None
+        encoded = EncodedImages(token_ids=prompt.token_ids, image_grids=grids) if task.request.media else None
         decode_task = DecodeTask(header=task.header, request=task.request, bootstrap=bootstrap, encoded_images=encoded,
                                  retry_pools=task.decode_pools[1:])
         try:

@@ -104,8 +104,8 @@ class ServedModel:
     tokenizer: Any
     context_length: int
     eos_token_ids: tuple[int, ...]
-    # The token put where an image goes, one per image (None: a text-only model).
-    image_placeholder_id: int | None = None
+    # The tokens put where an image goes, the encoder's placeholder among them (None: a text-only model).
+    image_tokens: tuple[int, ...] | None = None
     # Token ids a client may send are below this (None: not checked).
     vocab_size: int | None = None
 
@@ -439,7 +439,7 @@ class ProcessorStage:
                         pieces.append(part.text)
                     elif isinstance(part, VideoPart):
                         raise RejectRequest(ErrorCode.UNSUPPORTED, f"model {model.name} does not take video input")
-                    elif model.image_placeholder_id is None:
+                    elif model.image_tokens is None:
                         raise RejectRequest(ErrorCode.UNSUPPORTED,
                                             f"model {model.name} is served text-only: image parts need a multimodal model")
                     else:
@@ -459,7 +459,7 @@ class ProcessorStage:
         token_ids: list[int] = []
         for index, piece in enumerate(templated.split(marker)):
             if index:
-                token_ids.append(model.image_placeholder_id)
+                token_ids += model.image_tokens
             token_ids += model.tokenizer.encode(piece, add_special_tokens=False) if piece else []
         return token_ids, media
 

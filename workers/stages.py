@@ -17,6 +17,7 @@ from workers.media import ImageInputs, MediaEncoder, MediaLimits
 from workers.engines.torch_engine.vision import placeholder_id
 from workers.engines.factory import EngineKind, create_engine, load_tokenizer
 from workers.engines.protocol import DisaggregationRole
+from workers.engines.qwen_vl import QwenVisionTower, image_tokens, is_qwen_vl
 from workers.prefill import PrefillStage
 from workers.processor import ProcessorStage, ServedModel
 from workers.runtime import PipelineStage
@@ -55,15 +56,22 @@ def build_stage(stage: Stage, kind: EngineKind, models: list[str], mode: Serving
 
 
 def _media_encoder(kind: EngineKind, model: str) -> MediaEncoder | None:
-    """The torch engine's vision path for a model (None for engines without one here)."""
+    """The model's vision path: the torch engine's seeded tower, a Qwen2-VL-family tower for SGLang; None for a
+    model without one here."""
+    if kind == EngineKind.SGLANG:
+        model_dir = Path(model)
+        if not is_qwen_vl(json.loads((model_dir / "config.json").read_text())):
+            return None
+        return MediaEncoder(QwenVisionTower(model_dir), MediaLimits())
     if kind != EngineKind.TORCH:
         return None
     from workers.engines.torch_engine.loader import ModelConfig, resolve_model
-    from workers.engines.torch_engine.vision import VisionConfig, build_vision_tower
+    from workers.engines.torch_engine.vision import SeededImageTower, VisionConfig, build_vision_tower
 
     model_dir = resolve_model(model)
     config = ModelConfig.from_dir(model_dir)
-    return MediaEncoder(build_vision_tower(VisionConfig(), config.hidden_size, model_dir), config.vocab_size, MediaLimits())
+    tower = build_vision_tower(VisionConfig(), config.hidden_size, model_dir)
+    return MediaEncoder(SeededImageTower(tower, config.vocab_size), MediaLimits())
 
 
 def _image_inputs(kind: EngineKind, model: str, stage: Stage) -> ImageInputs:
@@ -102,7 +110,8 @@ def default_image_storage() -> ImageStorage:
 def _encode_stage(kind: EngineKind, model: str) -> EncodeStage:
     encoder = _media_encoder(kind, model)
     if encoder is None:
-        raise ValueError(f"the {kind.value} engine has no vision encoder here; run encode workers with --engine torch")
+        raise ValueError(f"no vision encoder for {model!r} on the {kind.value} engine: encode workers run the torch "
+                         "engine's models, or Qwen2-VL / Qwen2.5-VL models with --engine sglang")
     limits = encoder.limits
     return EncodeStage(encoder, model, served_model(kind, model).context_length, export_pool_bytes=limits.export_pool_bytes)
 
@@ -125,9 +134,9 @@ def served_model(kind: EngineKind, model: str) -> ServedModel:
     if kind != EngineKind.TORCH:
         # SGLang runs architectures the torch engine does not: only what the processor needs is read.
         return ServedModel(model, tokenizer, raw.get("max_position_embeddings", 4096), eos_token_ids(model_dir, raw),
-                           vocab_size=raw.get("vocab_size"))
+                           image_tokens=image_tokens(raw) if is_qwen_vl(raw) else None, vocab_size=raw.get("vocab_size"))
     config = ModelConfig.from_dir(model_dir)
     # Torch-engine models take images (the seeded vision tower; see torch_engine/vision.py).
     return ServedModel(model, tokenizer, config.max_position_embeddings, config.eos_token_ids,
-                       image_placeholder_id=placeholder_id(config.vocab_size) if kind == EngineKind.TORCH else None,
+                       image_tokens=(placeholder_id(config.vocab_size),),
                        vocab_size=config.vocab_size)

@@ -83,6 +83,9 @@ class SGLangEngineConfig(BaseSettings):
     context_length: int | None = None
     # The trimmed sgl-kernel carried to the GPU machine has no FA3 (see docs/gpu.md).
     attention_backend: str | None = "triton"
+    # A vision-language model's own vision tower is built even when the rows come precomputed, and SGLang's
+    # default attention for it on Hopper is FA3, which the trimmed sgl-kernel does not have.
+    mm_attention_backend: str | None = "sdpa"
     sampling_backend: str | None = "pytorch"
     stream_interval: int = DEFAULT_STREAM_INTERVAL
     # PD disaggregation: bootstrap port of a prefill engine (0 picks a free one) and the transfer.
@@ -117,6 +120,23 @@ class SGLangEngineConfig(BaseSettings):
     extra_server_args: dict[str, Any] = Field(default_factory=dict)
 
 
+def image_item(request: GenerateRequest) -> dict[str, Any]:
+    """The request's image rows as SGLang's one precomputed item (Dynamo's E/PD shape): SGLang places the rows on
+    the prompt's image tokens in order, splits them per image by `image_grid_thw`, and keys each image's cache
+    blocks by a hash of its rows."""
+    import torch
+
+    if not request.image_grids:
+        raise UnsupportedOption("image rows without their patch grids: this SGLang model takes Qwen2-VL-style images")
+    return {
+        "format": "processor_output",
+        "modality": "IMAGE",
+        # SGLang casts the rows to the model's dtype where it places them.
+        "precomputed_embeddings": request.image_rows,
+        "image_grid_thw": torch.tensor(request.image_grids, dtype=torch.long),
+    }
+
+
 def server_args(config: SGLangEngineConfig, kv_events_port: int, bootstrap_port: int) -> dict[str, Any]:
     """Keyword arguments for `sglang.Engine(...)`."""
     args: dict[str, Any] = {
@@ -140,6 +160,7 @@ def server_args(config: SGLangEngineConfig, kv_events_port: int, bootstrap_port:
         "mem_fraction_static": config.mem_fraction_static,
         "context_length": config.context_length,
         "attention_backend": config.attention_backend,
+        "mm_attention_backend": config.mm_attention_backend,
         "sampling_backend": config.sampling_backend,
     }
     args.update({key: value for key, value in optional.items() if value is not None})
@@ -541,6 +562,8 @@ class SGLangEngine:
             kwargs["lora_path"] = request.lora_name  # SGLang takes the adapter's name here
         if request.session is not None:
             kwargs["session_params"] = {"id": request.session.id, "rid": await self._session_turn(request)}
+        if request.image_rows is not None:
+            kwargs["image_data"] = [image_item(request)]
         stream = await self._engine.async_generate(**kwargs)
         finished = False
         try:

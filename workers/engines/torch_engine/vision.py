@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from workers.engines.protocol import EncodedImage
+
 # SGLang's pad values: 1_000_000 + (mm_hash & (2^30 - 1)); text vocabularies stay below the base.
 _PAD_BASE = 1_000_000
 _PAD_MASK = 2**30 - 1
@@ -85,6 +87,26 @@ class VisionTower(nn.Module):
         grid = encoded.transpose(1, 2).reshape(encoded.shape[0], -1, side, side)
         pooled = self.pool(grid).flatten(2).transpose(1, 2)  # [N, tokens, width]
         return self.projector(pooled)
+
+
+class SeededImageTower:
+    """The torch engine's `ImageTower`: every image resized to one size, `tokens_per_image` rows each, and
+    expanded to its own pad id."""
+
+    def __init__(self, tower: VisionTower, vocab_size: int) -> None:
+        self._tower = tower
+        self._vocab_size = vocab_size
+
+    @property
+    def placeholder_id(self) -> int:
+        return placeholder_id(self._vocab_size)
+
+    def encode(self, images: list[object]) -> list[EncodedImage]:
+        rows = self._tower(torch.stack([preprocess(image, self._tower.config) for image in images]))
+        return [EncodedImage(image_rows.contiguous()) for image_rows in rows]
+
+    def pad_ids(self, content_hash: int, num_rows: int) -> list[int]:
+        return [pad_id(self._vocab_size, content_hash)] * num_rows
 
 
 def build_vision_tower(config: VisionConfig, hidden_size: int, model_dir: Path | None = None) -> VisionTower:
