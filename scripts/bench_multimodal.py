@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -33,6 +34,7 @@ import sys
 import tempfile
 import time
 import uuid
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,10 +63,23 @@ IMAGE_DIR = Path(tempfile.mkdtemp(prefix="conveyor-bench-images-"))
 def random_image_url(size_px: int, rng: random.Random) -> str:
     """A file:// URL of a PNG of noise (incompressible, so decoding costs what a photo's would). Files, not data
     URLs: eight 512 px images as base64 would not fit one NATS message (max_payload, 1 MiB by default)."""
-    image = Image.frombytes("RGB", (size_px, size_px), rng.randbytes(size_px * size_px * 3))
+    return _write_noise_png(size_px, rng.getrandbits(64))
+
+
+def _write_noise_png(size_px: int, seed: int) -> str:
+    image = Image.frombytes("RGB", (size_px, size_px), random.Random(seed).randbytes(size_px * size_px * 3))
     path = IMAGE_DIR / f"{uuid.uuid4().hex}.png"
     image.save(path, format="PNG", compress_level=1)
     return path.as_uri()
+
+
+def image_batches(num_requests: int, images_per_request: int, size_px: int, rng: random.Random) -> list[list[str]]:
+    """Fresh images for every request (no cache hits), written by every core before the clock starts: 1,024 PNGs
+    of 1,024 px take minutes in one process."""
+    seeds = [rng.getrandbits(64) for _ in range(num_requests * images_per_request)]
+    with ProcessPoolExecutor() as pool:
+        urls = list(pool.map(_write_noise_png, [size_px] * len(seeds), seeds, chunksize=8))
+    return [urls[index:index + images_per_request] for index in range(0, len(urls), images_per_request)]
 
 
 def spawn(stages: list[str], url: str, namespace: str, mode: str, args: argparse.Namespace) -> list[subprocess.Popen[bytes]]:
@@ -123,11 +138,34 @@ async def measure_topology(client: PipelineClient, args: argparse.Namespace, rng
     return results
 
 
-async def throughput(client: PipelineClient, args: argparse.Namespace, rng: random.Random, images_per_request: int) -> float:
-    batches = [[random_image_url(args.image_px, rng) for _ in range(images_per_request)] for _ in range(args.concurrency * 2)]
+async def throughput(client: PipelineClient, args: argparse.Namespace, rng: random.Random, images_per_request: int,
+                     num_requests: int | None = None) -> float:
+    """Requests/s with `args.concurrency * 2` requests in flight at any time (`num_requests` in all)."""
+    in_flight = args.concurrency * 2
+    batches = image_batches(num_requests or in_flight, images_per_request, args.image_px, rng)
+    slots = asyncio.Semaphore(in_flight)
+
+    async def one(images: list[str]) -> None:
+        async with slots:
+            await ttft_of(client, images, max_tokens=1)
+
     started = time.perf_counter()
-    await asyncio.gather(*(ttft_of(client, images, max_tokens=1) for images in batches))
+    await asyncio.gather(*(one(images) for images in batches))
     return len(batches) / (time.perf_counter() - started)
+
+
+def start_profiles(stages: list[str], workers: list[subprocess.Popen[bytes]], args: argparse.Namespace,
+                   label: str) -> list[subprocess.Popen[bytes]]:
+    """py-spy records every worker for --profile-s (raw collapsed stacks, one file per worker)."""
+    py_spy = shutil.which("py-spy")
+    if args.profile_dir is None or py_spy is None:
+        return []
+    args.profile_dir.mkdir(parents=True, exist_ok=True)
+    return [subprocess.Popen([py_spy, "record", "--nonblocking", "--pid", str(worker.pid), "--duration",
+                              str(args.profile_s), "--rate", "100", "--format", "raw", "--output",
+                              str(args.profile_dir / f"{label}-{index}-{stage}.txt")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for index, (stage, worker) in enumerate(zip(stages, workers))]
 
 
 async def run_topology(name: str, stages: list[str], mode: str, args: argparse.Namespace,
@@ -142,8 +180,15 @@ async def run_topology(name: str, stages: list[str], mode: str, args: argparse.N
                 rng = random.Random(7)
                 if measure == "throughput":
                     await throughput(client, args, rng, 8)  # warm-up
-                    return {"req_per_s_8img": await throughput(client, args, rng, 8)}
-                return await measure_topology(client, args, rng)
+                    recorders = start_profiles(stages, workers, args, f"encode{stages.count('encode')}")
+                    rate = await throughput(client, args, rng, 8, args.throughput_requests)
+                    for recorder in recorders:
+                        recorder.wait(timeout=args.profile_s + 30)
+                    say(f"{name}: {rate:.2f} requests/s")
+                    return {"req_per_s_8img": rate}
+                measured = await measure_topology(client, args, rng)
+                say(f"{name}: " + ", ".join(f"{key} {value:.1f}" for key, value in measured.items()))
+                return measured
         finally:
             for worker in workers:
                 worker.send_signal(signal.SIGTERM)
@@ -243,4 +288,9 @@ if __name__ == "__main__":
     parser.add_argument("--only-scale-out", action="store_true", help="only the encode scale-out measure")
     parser.add_argument("--encode-replicas", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, default=1, help="alternating rounds of the scale-out measure")
+    parser.add_argument("--throughput-requests", type=int, default=None,
+                        help="requests per scale-out measure (default: twice --concurrency, all at once)")
+    parser.add_argument("--profile-dir", type=Path, default=None,
+                        help="record every worker with py-spy during each scale-out measure, into this directory")
+    parser.add_argument("--profile-s", type=int, default=8)
     asyncio.run(main(parser.parse_args()))
