@@ -188,7 +188,8 @@ class ReplySender:
     ) -> None:
         if self._coalesce_window_s <= 0 or openai is not None:
             # An OpenAI chunk is a whole event for its client; it is not merged with others.
-            await self._flush()
+            if self._pending or self._flush_task is not None or self._flush_lock.locked():
+                await self._flush()
             await self._publish(TokenChunk, token_ids=token_ids, text=text, logprobs=logprobs, index=index, openai=openai)
             return
         self._pending.append(_PendingTokens(token_ids, text, logprobs, index))

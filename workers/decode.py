@@ -85,6 +85,9 @@ class DecodeStage:
         self._images = images
         self._migration = migration
         self._context: StageContext | None = None
+        # Observed per token: the labelled series are looked up once, not on every token.
+        self._time_to_first_token = TIME_TO_FIRST_TOKEN.labels(model=model)
+        self._inter_token_latency = INTER_TOKEN_LATENCY.labels(model=model)
 
     @property
     def journals_replies(self) -> bool:
@@ -214,9 +217,9 @@ class DecodeStage:
                 if output.token_ids or output.text:
                     now = time.time()
                     if last_token_s is None:
-                        TIME_TO_FIRST_TOKEN.labels(model=self.model).observe(max(0.0, now - task.header.created_at_s))
+                        self._time_to_first_token.observe(max(0.0, now - task.header.created_at_s))
                     else:
-                        INTER_TOKEN_LATENCY.labels(model=self.model).observe(now - last_token_s)
+                        self._inter_token_latency.observe(now - last_token_s)
                     last_token_s = now
                 if output.finished:
                     if task.predicted_cached_tokens is not None and not num_streamed:
