@@ -246,6 +246,10 @@ class WorkConsumer(Generic[TaskT]):
             self._loop_done.set()
 
     async def _pull(self, subscription: JetStreamContext.PullSubscription) -> None:
+        # A waiting pull asks for one task. nats-py holds a message delivered to a waiting pull of several until the
+        # rest arrive or the pull expires (measured: 50–520 ms on a fraction of idle deliveries, against ~1 ms for a
+        # pull of one). A full fetch means a backlog: the next asks for a batch, which the queued tasks fill at once.
+        batch = 1
         while not self._stopping.is_set():
             if not self._unpaused.is_set():
                 await _first_of(self._unpaused.wait(), self._stopping.wait())
@@ -255,8 +259,11 @@ class WorkConsumer(Generic[TaskT]):
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
-            for msg in await self._fetch(subscription, min(free_slots, self._options.fetch_batch)):
+            asked = min(free_slots, batch)
+            msgs = await self._fetch(subscription, asked)
+            for msg in msgs:
                 self._spawn(msg)
+            batch = self._options.fetch_batch if msgs and len(msgs) == asked else 1
 
     async def stop(self, grace_s: float) -> None:
         """Stop fetching, give running handlers `grace_s` to finish, hand the rest back (nak)."""
