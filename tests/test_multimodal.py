@@ -225,7 +225,7 @@ async def test_every_class_of_bad_media_gets_a_typed_error_and_the_pipeline_keep
         with pytest.raises(RemoteError) as raised:
             async with await client.submit(video, first_frame_timeout_s=30) as stream:
                 await stream.collect()
-        assert raised.value.code == ErrorCode.UNSUPPORTED
+        assert raised.value.code == ErrorCode.UNSUPPORTED and "sampled frames as image parts" in raised.value.frame.message
         # Fetched over http, and the workers still serve.
         tokens, final = await ask(bus, [f"{image_server}/red.png"])
         assert tokens and final.finish_reason == FinishReason.LENGTH

@@ -438,7 +438,9 @@ class ProcessorStage:
                     if isinstance(part, TextPart):
                         pieces.append(part.text)
                     elif isinstance(part, VideoPart):
-                        raise RejectRequest(ErrorCode.UNSUPPORTED, f"model {model.name} does not take video input")
+                        # Qwen2-VL models can see video, but no video decoder ships here to sample frames with.
+                        raise RejectRequest(ErrorCode.UNSUPPORTED, f"video input is not served for {model.name}: "
+                                            "send sampled frames as image parts")
                     elif model.image_tokens is None:
                         raise RejectRequest(ErrorCode.UNSUPPORTED,
                                             f"model {model.name} is served text-only: image parts need a multimodal model")
