@@ -99,7 +99,7 @@ class Servers:
         self.spawn("sglang", [sys.executable, "-m", "sglang.launch_server", "--model-path", args.model,
                               "--load-format", "dummy", "--attention-backend", "triton", "--sampling-backend", "pytorch",
                               "--mem-fraction-static", str(args.sglang_mem_fraction), "--host", "127.0.0.1",
-                              "--page-size", str(args.page_size),
+                              "--page-size", str(args.page_size), *running_limit(args),
                               "--port", str(args.sglang_port), "--log-level", "warning"])
         wait_http(f"{url}/v1/models", "sglang server", args.start_timeout_s, [self.processes["sglang"]],
                   ready=lambda: model_listed(url, args.model))
@@ -119,7 +119,9 @@ class Servers:
         # SGLang sizes its KV pool from the memory free at its start: the server above already holds its share.
         self.spawn("decode", worker[:4] + ["decode"] + worker[4:] + ["--http-port", str(METRICS_PORTS["decode"])],
                    {**env, "CONVEYOR_SGLANG_MEM_FRACTION_STATIC": str(args.conveyor_mem_fraction),
-                    "CONVEYOR_SGLANG_PAGE_SIZE": str(args.page_size)})
+                    "CONVEYOR_SGLANG_PAGE_SIZE": str(args.page_size),
+                    **({"CONVEYOR_SGLANG_EXTRA_SERVER_ARGS": json.dumps({"max_running_requests": args.max_running_requests})}
+                       if args.max_running_requests else {})})
         url = f"http://127.0.0.1:{args.gateway_port}"
         self.spawn("gateway", [sys.executable, "-m", "workers.cli", "gateway", "--port", str(args.gateway_port),
                                "--host", "127.0.0.1", "--log-level", "WARNING"], env)
@@ -181,6 +183,12 @@ def bench_nats(args: argparse.Namespace, nats_url: str, namespace: str, concurre
             "median_ttft_ms": statistics.median(ttfts), "p99_ttft_ms": percentile(ttfts, 99),
             "median_itl_ms": statistics.median(itls) if itls else 0.0, "p99_itl_ms": percentile(itls, 99),
             "errors": sum(s["errors"] for s in samples)}
+
+
+def running_limit(args: argparse.Namespace) -> list[str]:
+    """SGLang's running-request limit, the same for both engines when asked: at one limit they run the same batch
+    sizes, so their inter-token latencies compare steps of equal size."""
+    return ["--max-running-requests", str(args.max_running_requests)] if args.max_running_requests else []
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -425,6 +433,10 @@ def main() -> None:
                              "--concurrency, once per event loop, side by side (e.g. --engine mock --event-loops "
                              "asyncio uvloop).")
     parser.add_argument("--page-size", type=int, default=16, help="KV page size of both SGLangs (Conveyor's default).")
+    parser.add_argument("--max-running-requests", type=int, default=None,
+                        help="Requests each SGLang runs at once (default: SGLang's choice, from its KV pool). Give both "
+                             "the same limit to compare inter-token latency at equal batch sizes; a server started by "
+                             "hand (--sglang-url) needs the same flag.")
     parser.add_argument("--worker-concurrency", type=int, default=512, help="Tasks each Conveyor worker holds at once.")
     parser.add_argument("--sglang-port", type=int, default=30000)
     parser.add_argument("--sglang-url", help="An SGLang server already running (started by hand: see docs/gpu.md).")
