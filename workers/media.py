@@ -223,8 +223,10 @@ class MediaEncoder:
         missing = [image for image, hit in zip(images, cached) if hit is None]
         if not missing:
             return [hit for hit in cached if hit is not None]
+        # Resizing and normalizing run in parallel threads; only the tower itself runs one batch at a time.
+        prepared = await asyncio.gather(*(asyncio.to_thread(self._tower.prepare, image.image) for image in missing))
         async with self._lock:
-            computed = await asyncio.to_thread(self._tower.encode, [image.image for image in missing])
+            computed = await asyncio.to_thread(self._tower.encode, list(prepared))
         fresh = {image.content_hash: encoded for image, encoded in zip(missing, computed)}
         for content_hash, encoded in fresh.items():
             self.cache.put(content_hash, encoded)

@@ -105,8 +105,12 @@ class ImageTower(Protocol):
     def placeholder_id(self) -> int:
         """The token the processor puts where an image goes, one per image."""
 
-    def encode(self, images: list[Any]) -> list[EncodedImage]:
-        """PIL images → one `EncodedImage` each. Blocking: runs in a thread."""
+    def prepare(self, image: Any) -> Any:
+        """One PIL image → the tower's input (resized, normalized). Blocking and thread-safe: a request's images
+        are prepared in parallel threads, outside the one-batch-at-a-time `encode`."""
+
+    def encode(self, prepared: list[Any]) -> list[EncodedImage]:
+        """Prepared images → one `EncodedImage` each. Blocking: runs in a thread, one batch at a time."""
 
     def pad_ids(self, content_hash: int, num_rows: int) -> list[int]:
         """The prompt tokens one image's placeholder expands to."""

@@ -54,7 +54,8 @@ class QwenVisionTower:
         self._merge_size = int(config["vision_config"].get("spatial_merge_size", 2))
         self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self._dtype = torch.bfloat16 if self._device.type == "cuda" else torch.float32
-        self._loaded: tuple[Any, Any] | None = None
+        self._loaded_processor: Any = None
+        self._loaded_model: Any = None
         self._load_lock = threading.Lock()
 
     @property
@@ -65,22 +66,32 @@ class QwenVisionTower:
         # SGLang derives each image's pad value from the embeddings it receives; the prompt carries the pad token.
         return [self._image_token_id] * num_rows
 
+    def prepare(self, image: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pixel patches [patches, C·T·P·P] and the (t, h, w) grid of one image."""
+        inputs = self._processor()(images=[image.convert("RGB")], return_tensors="pt")
+        return inputs["pixel_values"], inputs["image_grid_thw"][0]
+
     @torch.inference_mode()
-    def encode(self, images: list[Any]) -> list[EncodedImage]:
-        processor, model = self._load()
-        inputs = processor(images=[image.convert("RGB") for image in images], return_tensors="pt")
-        grids = inputs["image_grid_thw"]
-        pixels = inputs["pixel_values"].to(self._device, self._dtype)
+    def encode(self, prepared: list[tuple[torch.Tensor, torch.Tensor]]) -> list[EncodedImage]:
+        model = self._model()
+        grids = torch.stack([grid for _, grid in prepared])
+        pixels = torch.cat([patches for patches, _ in prepared]).to(self._device, self._dtype)
         rows = model(pixels, grid_thw=grids.to(self._device)).pooler_output.float().cpu()
         sizes = (grids.prod(-1) // self._merge_size**2).tolist()
         return [EncodedImage(chunk.contiguous(), (int(t), int(h), int(w)))
                 for chunk, (t, h, w) in zip(rows.split(sizes), grids.tolist())]
 
-    def _load(self) -> tuple[Any, Any]:
+    def _processor(self) -> Any:
         with self._load_lock:
-            if self._loaded is None:
-                self._loaded = self._image_processor(), self._vision_model()
-            return self._loaded
+            if self._loaded_processor is None:
+                self._loaded_processor = self._image_processor()
+            return self._loaded_processor
+
+    def _model(self) -> Any:
+        with self._load_lock:
+            if self._loaded_model is None:
+                self._loaded_model = self._vision_model()
+            return self._loaded_model
 
     def _image_processor(self) -> Any:
         # The PIL backend: the torchvision one (AutoProcessor's choice) is not needed to prepare pixels.

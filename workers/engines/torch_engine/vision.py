@@ -101,8 +101,11 @@ class SeededImageTower:
     def placeholder_id(self) -> int:
         return placeholder_id(self._vocab_size)
 
-    def encode(self, images: list[object]) -> list[EncodedImage]:
-        rows = self._tower(torch.stack([preprocess(image, self._tower.config) for image in images]))
+    def prepare(self, image: object) -> torch.Tensor:
+        return preprocess(image, self._tower.config)
+
+    def encode(self, prepared: list[torch.Tensor]) -> list[EncodedImage]:
+        rows = self._tower(torch.stack(prepared))
         return [EncodedImage(image_rows.contiguous()) for image_rows in rows]
 
     def pad_ids(self, content_hash: int, num_rows: int) -> list[int]:
