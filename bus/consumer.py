@@ -263,7 +263,7 @@ class WorkConsumer(Generic[TaskT]):
             msgs = await self._fetch(subscription, asked)
             for msg in msgs:
                 self._spawn(msg)
-            batch = self._options.fetch_batch if msgs and len(msgs) == asked else 1
+            batch = self._options.fetch_batch if len(msgs) == asked else 1
 
     async def stop(self, grace_s: float) -> None:
         """Stop fetching, give running handlers `grace_s` to finish, hand the rest back (nak)."""

@@ -188,8 +188,7 @@ class ReplySender:
     ) -> None:
         if self._coalesce_window_s <= 0 or openai is not None:
             # An OpenAI chunk is a whole event for its client; it is not merged with others.
-            if self._pending or self._flush_task is not None or self._flush_lock.locked():
-                await self._flush()
+            await self._flush()
             await self._publish(TokenChunk, token_ids=token_ids, text=text, logprobs=logprobs, index=index, openai=openai)
             return
         self._pending.append(_PendingTokens(token_ids, text, logprobs, index))
@@ -322,6 +321,8 @@ class ReplySender:
         await self._flush()
 
     async def _flush(self) -> None:
+        if not self._pending and self._flush_task is None and not self._flush_lock.locked():
+            return  # nothing coalesced, no window flush under way: the common case, once per chunk
         if self._flush_task is not None and self._flush_task is not asyncio.current_task():
             self._flush_task.cancel()
             self._flush_task = None

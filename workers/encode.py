@@ -89,8 +89,7 @@ class EncodeStage:
         assert encoded.rows is not None  # an encode task has at least one image
         handle = await self._exporter.offer(task.request_id, encoded.rows, wait_for_space_s=self._handoff_timeout_s)
         # The request goes on with its images: a reader that finds this worker dead encodes them itself.
-        images = EncodedImages(token_ids=encoded.token_ids, rows=handle,
-                               image_grids=list(encoded.grids) if encoded.grids is not None else None)
+        images = EncodedImages(token_ids=encoded.token_ids, rows=handle, image_grids=encoded.grids)
         stage = Stage.PREFILL if task.next_stage == "prefill" else Stage.DECODE
         next_task = (PrefillTask(header=task.header, request=task.request, encoded_images=images)
                      if stage == Stage.PREFILL else DecodeTask(header=task.header, request=task.request, encoded_images=images))

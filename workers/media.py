@@ -189,7 +189,7 @@ class EncodedPrompt:
     # [image tokens, hidden] float32, in the order of the image tokens; None for a prompt without images.
     rows: torch.Tensor | None = None
     # Each image's (t, h, w) patch grid, for towers that report one (Qwen2-VL); None otherwise.
-    grids: tuple[ImageGrid, ...] | None = None
+    grids: list[ImageGrid] | None = None
 
 
 class MediaEncoder:
@@ -213,10 +213,10 @@ class MediaEncoder:
                              f"the prompt has {num_placeholders} image placeholders for {len(items)} images")
         images = await load_media(items, self.limits)
         encoded = await self._encoded(images)
-        grids = tuple(image.grid for image in encoded if image.grid is not None)
+        # A tower reports a grid for every image or for none.
+        grids = [image.grid for image in encoded] if encoded and encoded[0].grid is not None else None
         return EncodedPrompt(self._expand(token_ids, images, encoded),
-                             torch.cat([image.rows for image in encoded]) if encoded else None,
-                             grids if len(grids) == len(encoded) and grids else None)
+                             torch.cat([image.rows for image in encoded]) if encoded else None, grids)
 
     async def _encoded(self, images: list[LoadedImage]) -> list[EncodedImage]:
         cached = [self.cache.get(image.content_hash) for image in images]
@@ -269,8 +269,7 @@ class ImageInputs:
             try:
                 if not first_delivery:
                     raise TransferFailed("the task was redelivered; its image rows may have been read already")
-                grids = tuple(encoded.image_grids) if encoded.image_grids is not None else None
-                return EncodedPrompt(encoded.token_ids, await self._read(encoded.rows, request_id), grids)
+                return EncodedPrompt(encoded.token_ids, await self._read(encoded.rows, request_id), encoded.image_grids)
             except TransferFailed as error:
                 if self.encoder is None or not items:
                     raise

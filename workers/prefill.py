@@ -100,8 +100,7 @@ class PrefillStage:
         await asyncio.sleep(0)
         # The decode engine receives the KV of the prompt as run here (images expanded); the images go along
         # so that it can run the prompt itself should this worker die before the handoff.
-        grids = list(prompt.grids) if prompt.grids is not None else None
-        encoded = EncodedImages(token_ids=prompt.token_ids, image_grids=grids) if task.request.media else None
+        encoded = EncodedImages(token_ids=prompt.token_ids, image_grids=prompt.grids) if task.request.media else None
         decode_task = DecodeTask(header=task.header, request=task.request, bootstrap=bootstrap, encoded_images=encoded,
                                  retry_pools=task.decode_pools[1:])
         try:

@@ -60,9 +60,8 @@ def _media_encoder(kind: EngineKind, model: str) -> MediaEncoder | None:
     model without one here."""
     if kind == EngineKind.SGLANG:
         model_dir = Path(model)
-        if not is_qwen_vl(json.loads((model_dir / "config.json").read_text())):
-            return None
-        return MediaEncoder(QwenVisionTower(model_dir), MediaLimits())
+        config = json.loads((model_dir / "config.json").read_text())
+        return MediaEncoder(QwenVisionTower(model_dir, config), MediaLimits()) if is_qwen_vl(config) else None
     if kind != EngineKind.TORCH:
         return None
     from workers.engines.torch_engine.loader import ModelConfig, resolve_model

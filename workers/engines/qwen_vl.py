@@ -15,7 +15,6 @@ in logs: the rows are of the right shape, not of a trained model).
 
 from __future__ import annotations
 
-import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -46,9 +45,9 @@ class QwenVisionTower:
     """The `ImageTower` of a Qwen2-VL-family model directory. Loaded on first use (in the encoding thread), so an
     LLM worker that never encodes an image in-process never holds it."""
 
-    def __init__(self, model_dir: Path, device: str | None = None) -> None:
+    def __init__(self, model_dir: Path, config: dict[str, Any], device: str | None = None) -> None:
+        """`config`: the directory's config.json, as read."""
         self._model_dir = model_dir
-        config = json.loads((model_dir / "config.json").read_text())
         self._model_type = config["model_type"]
         self._image_token_id = int(config["image_token_id"])
         self._merge_size = int(config["vision_config"].get("spatial_merge_size", 2))
