@@ -254,19 +254,32 @@ async def main(args: argparse.Namespace) -> None:
 
 
 async def scale_out(args: argparse.Namespace) -> None:
-    """Image requests/s with 1, 2 (and 4) encode replicas, rounds alternating, where encode is the bottleneck."""
-    results: dict[int, list[float]] = {}
-    for _ in range(args.rounds):
-        for replicas in args.encode_replicas:
+    """Image requests/s with 1, 2 (and 4) encode replicas, where encode is the bottleneck.
+
+    A discarded warm-up run comes first (on a fresh machine the first run is slow: page cache, CPU clocks),
+    then rounds in alternating order (1 2, 2 1, ...) so drift does not favour one count.
+    """
+    if args.warmup_run:
+        stages = ["processor", "encode", "decode"]
+        await run_topology("warm-up (discarded)", stages, "encode-aggregated", args, measure="throughput")
+    results: dict[int, list[float]] = {replicas: [] for replicas in args.encode_replicas}
+    for round_index in range(args.rounds):
+        order = args.encode_replicas if round_index % 2 == 0 else list(reversed(args.encode_replicas))
+        for replicas in order:
             stages = ["processor", *["encode"] * replicas, "decode"]
-            result = await run_topology(f"E/PD ×{replicas} encode", stages, "encode-aggregated", args, measure="throughput")
-            results.setdefault(replicas, []).append(result["req_per_s_8img"])
-    base = statistics.median(results[args.encode_replicas[0]])
+            result = await run_topology(f"round {round_index + 1}: E/PD ×{replicas} encode", stages,
+                                        "encode-aggregated", args, measure="throughput")
+            results[replicas].append(result["req_per_s_8img"])
+    base_count = args.encode_replicas[0]
     print(f"\n{os.cpu_count()} cores, {args.threads_per_worker or 'default'} threads per worker, 8 × {args.image_px}px "
-          f"images per request, {args.concurrency * 2} requests at once, medians of {args.rounds} alternating rounds")
+          f"images per request, {args.concurrency * 2} requests at once, {args.rounds} rounds in alternating order")
+    for round_index in range(args.rounds):
+        row = ", ".join(f"×{replicas} {rates[round_index]:.2f}" for replicas, rates in results.items())
+        print(f"round {round_index + 1}: {row} requests/s")
+    base = statistics.median(results[base_count])
     for replicas, rates in results.items():
         rate = statistics.median(rates)
-        print(f"encode replicas {replicas}: {rate:.2f} requests/s ({rate / base:.2f}× of {args.encode_replicas[0]})")
+        print(f"encode replicas {replicas}: median {rate:.2f} requests/s ({rate / base:.2f}× of {base_count})")
 
 
 async def print_transfers() -> None:
@@ -287,7 +300,9 @@ if __name__ == "__main__":
     parser.add_argument("--threads-per-worker", type=int, default=0, help="OMP_NUM_THREADS of each worker (0: torch's)")
     parser.add_argument("--only-scale-out", action="store_true", help="only the encode scale-out measure")
     parser.add_argument("--encode-replicas", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--rounds", type=int, default=1, help="alternating rounds of the scale-out measure")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of the scale-out measure, in alternating order")
+    parser.add_argument("--no-warmup-run", dest="warmup_run", action="store_false",
+                        help="skip the discarded first run of the scale-out measure")
     parser.add_argument("--throughput-requests", type=int, default=None,
                         help="requests per scale-out measure (default: twice --concurrency, all at once)")
     parser.add_argument("--profile-dir", type=Path, default=None,

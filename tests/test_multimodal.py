@@ -24,7 +24,7 @@ from schemas.registry import ServingMode, Stage, WorkerCard
 from schemas.replies import ErrorCode, FinalFrame, FinishReason
 from schemas.tasks import MediaItem
 from tests.conftest import Bus
-from tests.helpers import metric, wait_until_async
+from tests.helpers import metric, wait_until, wait_until_async
 from tests.pipeline_helpers import client_of, running_workers, worker_processes
 from workers.decode import DecodeStage
 from workers.engines.factory import EngineKind
@@ -243,27 +243,27 @@ async def test_text_only_pipeline_refuses_images_clearly(bus: Bus) -> None:
     assert raised.value.code == ErrorCode.UNSUPPORTED
 
 
-async def test_cancel_while_no_llm_worker_reads_frees_the_encode_buffer(bus: Bus) -> None:
+async def test_encode_slot_takes_the_next_request_before_the_rows_are_read_and_cancel_frees_them(bus: Bus) -> None:
     encode = _encode_stage(EngineKind.TORCH, DEFAULT_MODEL)
     specs = [(Stage.PROCESSOR, processor()), (Stage.ENCODE, encode)]
-    async with running_workers(bus, specs, model=DEFAULT_MODEL, mode=ServingMode.ENCODE_AGGREGATED):
+    # One slot, and no LLM worker ever reads: the second request is encoded only if the first one's slot
+    # was freed at its handoff.
+    async with running_workers(bus, specs, model=DEFAULT_MODEL, mode=ServingMode.ENCODE_AGGREGATED, max_concurrency=1):
         await register_absent_decode(bus)
         await asyncio.sleep(1.1)  # the processor's view of the registry refreshes every second
         client = client_of(bus)
-        request = image_chat(client, [BLUE])
-        async with await client.submit(request, first_frame_timeout_s=30):
-            for _ in range(200):
-                if encode._exporter is not None and encode._exporter.pending:
-                    break
-                await asyncio.sleep(0.05)
-            assert encode._exporter is not None and encode._exporter.pending == 1
-            await client.cancel(request.request_id)
-            for _ in range(100):
-                if not encode._exporter.pending:
-                    break
-                await asyncio.sleep(0.01)
-        assert encode._exporter.pending == 0
-        assert metric("conveyor_embedding_handoffs_total", outcome="cancelled") >= 1
+        first, second = image_chat(client, [BLUE]), image_chat(client, [RED])
+        cancelled_before = metric("conveyor_embedding_handoffs_total", outcome="cancelled")
+        async with await client.submit(first, first_frame_timeout_s=30), \
+                await client.submit(second, first_frame_timeout_s=30):
+            assert encode._exporter is not None
+            exporter = encode._exporter
+            await wait_until(lambda: exporter.pending == 2, timeout_s=20)
+            await client.cancel(first.request_id)
+            await wait_until(lambda: exporter.pending == 1, timeout_s=1)
+            await client.cancel(second.request_id)
+            await wait_until(lambda: exporter.pending == 0, timeout_s=1)
+    assert metric("conveyor_embedding_handoffs_total", outcome="cancelled") == cancelled_before + 2
 
 
 async def test_placeholders_must_match_the_images() -> None:

@@ -7,7 +7,8 @@ images its LRU cache does not hold (keyed by content hash), expands each placeho
 pad ids, copies the rows into its NIXL export pool and publishes the next task — `DecodeTask` (E/PD)
 or `PrefillTask` (E/P/D), as the processor chose — with the request as it came (images included) and
 `EncodedImages`: the expanded prompt and a `NixlHandle` (descriptors, shape, dtype; never the rows). It
-acks when the LLM worker has read the rows, so the buffer lives exactly as long as it is needed.
+acks once the next task is published, so its slot takes the next image request at once; the exporter
+keeps the rows until the LLM worker has read them (or the request is cancelled, or nobody came).
 
 Emits to the client only errors (and `cancelled` when the cancel lands while encoding): the LLM
 stage streams the answer.
@@ -15,7 +16,8 @@ stage streams the answer.
 Fails how: bad media — not an image, truncated, too large, too many images, a decompression bomb,
 an unreachable URL, placeholders that do not match the images — → `invalid_request` (video →
 `unsupported`); an expanded prompt that does not fit the context → `context_length_exceeded`. A
-cancel frees the buffer at once; a reader that never comes frees it after `handoff_timeout_s`.
+cancel frees the buffer at once; a reader that never comes frees it after `handoff_timeout_s`. If this
+worker dies after its ack, the LLM worker cannot read the rows and encodes the images itself.
 """
 
 from __future__ import annotations
@@ -87,7 +89,10 @@ class EncodeStage:
             await delivery.reply.finish(FinishReason.CANCELLED, Usage.of(len(encoded.token_ids), 0))
             return
         assert encoded.rows is not None  # an encode task has at least one image
-        handle = await self._exporter.offer(task.request_id, encoded.rows, wait_for_space_s=self._handoff_timeout_s)
+        is_cancelled = self._context.is_cancelled
+        handle = await self._exporter.offer(task.request_id, encoded.rows, wait_for_space_s=self._handoff_timeout_s,
+                                            cancelled=lambda: is_cancelled(task.request_id, task.reply_to),
+                                            hold_s=self._handoff_timeout_s)
         # The request goes on with its images: a reader that finds this worker dead encodes them itself.
         images = EncodedImages(token_ids=encoded.token_ids, rows=handle, image_grids=encoded.grids)
         stage = Stage.PREFILL if task.next_stage == "prefill" else Stage.DECODE
@@ -108,8 +113,7 @@ class EncodeStage:
             return
         log.info("encode.handed_off", images=len(task.request.media), rows=int(encoded.rows.shape[0]),
                  to=stage.value, encode_ms=round((time.perf_counter() - started_s) * 1000, 1))
-        outcome = await self._exporter.wait_read(task.request_id, delivery.cancelled, self._handoff_timeout_s)
-        REQUESTS.labels(stage=Stage.ENCODE.value, model=self.model, outcome=outcome).inc()
+        REQUESTS.labels(stage=Stage.ENCODE.value, model=self.model, outcome="handed_off").inc()
 
 
 def canary_image() -> MediaItem:

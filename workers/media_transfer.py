@@ -6,7 +6,9 @@ it), copies each request's rows into a free range of the pool, and puts a `NixlH
 metadata, serialized descriptors, shape, dtype — in the next stage's task. The LLM worker's
 `EmbeddingReader` READs the range into a tensor of its own and sends the notification
 `emb:{request_id}`; on it, the exporter frees the range. A request cancelled, or whose reader never
-comes within the handoff timeout, frees its range too.
+comes within the handoff timeout, frees its range too. The exporter watches each offer in the background
+(one poller for all), so the encode worker's slot is free for the next image request as soon as it has
+published the task, not when the LLM worker gets round to reading.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import structlog
 import torch
@@ -72,7 +75,11 @@ class _RangeAllocator:
 class _Offer:
     offset: int
     length: int
-    read: asyncio.Event
+    # Whether the request was cancelled (polled with the notifications; a cancel frees the range at once).
+    cancelled: Callable[[], bool]
+    expires_at_s: float
+    # How the offer ended: "read", "cancelled" or "expired".
+    outcome: asyncio.Future[str] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 class EmbeddingExporter:
@@ -92,8 +99,12 @@ class EmbeddingExporter:
     def pending(self) -> int:
         return len(self._offers)
 
-    async def offer(self, request_id: str, rows: torch.Tensor, wait_for_space_s: float) -> NixlHandle:
-        """Copy `rows` into the pool and describe them; waits for space up to `wait_for_space_s`."""
+    async def offer(self, request_id: str, rows: torch.Tensor, wait_for_space_s: float,
+                    cancelled: Callable[[], bool], hold_s: float) -> NixlHandle:
+        """Copy `rows` into the pool and describe them; waits for space up to `wait_for_space_s`.
+
+        The range is freed when the reader notifies, when `cancelled()` turns true, or after `hold_s`.
+        """
         data = rows.contiguous().view(torch.uint8).reshape(-1)
         deadline = time.monotonic() + wait_for_space_s
         while True:
@@ -109,7 +120,7 @@ class EmbeddingExporter:
                 except TimeoutError:
                     continue
         self._pool[offset : offset + data.numel()].copy_(data)
-        self._offers[request_id] = _Offer(offset, data.numel(), asyncio.Event())
+        self._offers[request_id] = _Offer(offset, data.numel(), cancelled, time.monotonic() + hold_s)
         descs = self._agent.get_xfer_descs([(self._pool.data_ptr() + offset, data.numel(), 0)], "DRAM")
         if self._poller is None or self._poller.done():
             self._poller = asyncio.create_task(self._poll_notifications(), name="embedding-notifications")
@@ -117,35 +128,38 @@ class EmbeddingExporter:
                           serialized_descriptors=self._agent.get_serialized_descs(descs),
                           shape=list(rows.shape), dtype=str(rows.dtype).removeprefix("torch."))
 
-    async def wait_read(self, request_id: str, cancelled: asyncio.Event, timeout_s: float) -> str:
-        """Until the reader has the rows, the request is cancelled, or the timeout; frees the range."""
-        offer = self._offers[request_id]
-        read = asyncio.ensure_future(offer.read.wait())
-        stop = asyncio.ensure_future(cancelled.wait())
-        try:
-            await asyncio.wait([read, stop], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-            outcome = "read" if offer.read.is_set() else "cancelled" if cancelled.is_set() else "expired"
-        finally:
-            read.cancel()
-            stop.cancel()
-            self.release(request_id)
-        EMBEDDING_HANDOFFS.labels(outcome=outcome).inc()
-        return outcome
+    async def outcome(self, request_id: str) -> str:
+        """How the offer of `request_id` ends: "read", "cancelled" or "expired"."""
+        return await asyncio.shield(self._offers[request_id].outcome)
 
     def release(self, request_id: str) -> None:
+        """Free the range now (nobody will read it: the task was never published)."""
+        self._end(request_id, None)
+
+    def _end(self, request_id: str, outcome: str | None) -> None:
         offer = self._offers.pop(request_id, None)
-        if offer is not None:
-            self._ranges.give(offer.offset, offer.length)
-            self._space_freed.set()
+        if offer is None:
+            return
+        self._ranges.give(offer.offset, offer.length)
+        self._space_freed.set()
+        if outcome is not None:
+            EMBEDDING_HANDOFFS.labels(outcome=outcome).inc()
+        offer.outcome.set_result(outcome or "released")
 
     async def _poll_notifications(self) -> None:
         while self._offers:
             for messages in self._agent.get_new_notifs().values():
                 for message in messages:
                     text = message.decode(errors="replace")
-                    offer = self._offers.get(text[len(_NOTIFY_PREFIX):]) if text.startswith(_NOTIFY_PREFIX) else None
-                    if offer is not None:
-                        offer.read.set()
+                    if text.startswith(_NOTIFY_PREFIX):
+                        self._end(text[len(_NOTIFY_PREFIX):], "read")
+            now_s = time.monotonic()
+            for request_id, offer in list(self._offers.items()):
+                if offer.cancelled():
+                    self._end(request_id, "cancelled")
+                elif now_s > offer.expires_at_s:
+                    log.warning("embedding.expired", request_id=request_id)
+                    self._end(request_id, "expired")
             await asyncio.sleep(_POLL_S)
 
     async def close(self) -> None:

@@ -96,6 +96,8 @@ class StageContext:
     worker_id: str
     # A KV-aware router over this bus (the processor's), not started.
     make_router: Callable[[RouterOptions], Router]
+    # Whether a request (by id and reply inbox) was cancelled: for work that outlives its task's handler.
+    is_cancelled: Callable[[str, str], bool]
     # The LoRA adapters of this worker's engine (prefill and decode workers; None elsewhere).
     adapters: AdapterSync | None = None
     # Where each open session is (the processor's; None elsewhere).
@@ -211,6 +213,7 @@ class WorkerRuntime:
                 publisher=TaskPublisher(js, self._names, min(self._bus.max_message_bytes, nc.max_payload)),
                 list_workers=lambda: live_workers(bucket), worker_id=self.options.worker_id,
                 make_router=lambda options: Router(nc, js, self._names, self._bus, options),
+                is_cancelled=cancels.is_cancelled,
                 adapters=self._adapters,
                 sessions=SessionPlaces(await ensure_session_bucket(js, self._names, self._bus))
                 if self.options.stage == Stage.PROCESSOR else None,
