@@ -23,6 +23,7 @@ Then, in this process, it moves embedding-sized buffers over NIXL (UCX, host mem
 from __future__ import annotations
 
 import argparse
+import functools
 import asyncio
 import os
 import random
@@ -88,10 +89,31 @@ def spawn(stages: list[str], url: str, namespace: str, mode: str, args: argparse
            "CONVEYOR_MEDIA_MAX_IMAGE_BYTES": str(64 << 20)}
     if args.threads_per_worker:
         env["OMP_NUM_THREADS"] = str(args.threads_per_worker)
+    placement = core_placement(stages, args.cores_per_encode)
     return [subprocess.Popen([sys.executable, "-m", "workers.cli", "worker", stage, "--mode", mode, "--model", args.model,
                               "--engine", args.engine,
-                              "--load-format", args.load_format, "--log-level", "ERROR"], cwd=ROOT, env=env)
-            for stage in stages]
+                              "--load-format", args.load_format, "--log-level", "ERROR"], cwd=ROOT, env=env,
+                             preexec_fn=None if cores is None else functools.partial(os.sched_setaffinity, 0, cores))
+            for stage, cores in zip(stages, placement)]
+
+
+# The cores this benchmark may use, read once: pinning moves this process too.
+ALL_CORES = sorted(os.sched_getaffinity(0))
+
+
+def core_placement(stages: list[str], cores_per_encode: int) -> list[set[int] | None]:
+    """With `cores_per_encode`, each encode replica gets cores of its own (as replicas on machines of their own
+    would) and every other process, this one included, the rest; without it (0), the OS places them all."""
+    if not cores_per_encode:
+        return [None] * len(stages)
+    num_encoders = stages.count("encode")
+    rest = set(ALL_CORES[num_encoders * cores_per_encode:])
+    if len(rest) < 2:
+        raise SystemExit(f"--cores-per-encode {cores_per_encode} × {num_encoders} leaves {len(rest)} of "
+                         f"{len(ALL_CORES)} cores for the rest of the pipeline")
+    os.sched_setaffinity(0, rest)
+    own = iter(set(ALL_CORES[index * cores_per_encode:(index + 1) * cores_per_encode]) for index in range(num_encoders))
+    return [next(own) if stage == "encode" else rest for stage in stages]
 
 
 async def wait_ready(client: PipelineClient, stages: list[str], workers: list[subprocess.Popen[bytes]]) -> None:
@@ -271,7 +293,8 @@ async def scale_out(args: argparse.Namespace) -> None:
                                         "encode-aggregated", args, measure="throughput")
             results[replicas].append(result["req_per_s_8img"])
     base_count = args.encode_replicas[0]
-    print(f"\n{os.cpu_count()} cores, {args.threads_per_worker or 'default'} threads per worker, 8 × {args.image_px}px "
+    pinned = f", each encode replica pinned to {args.cores_per_encode} cores" if args.cores_per_encode else ""
+    print(f"\n{os.cpu_count()} cores{pinned}, {args.threads_per_worker or 'default'} threads per worker, 8 × {args.image_px}px "
           f"images per request, {args.concurrency * 2} requests at once, {args.rounds} rounds in alternating order")
     for round_index in range(args.rounds):
         row = ", ".join(f"×{replicas} {rates[round_index]:.2f}" for replicas, rates in results.items())
@@ -300,6 +323,10 @@ if __name__ == "__main__":
     parser.add_argument("--threads-per-worker", type=int, default=0, help="OMP_NUM_THREADS of each worker (0: torch's)")
     parser.add_argument("--only-scale-out", action="store_true", help="only the encode scale-out measure")
     parser.add_argument("--encode-replicas", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--cores-per-encode", type=int, default=0,
+                        help="pin each encode replica to this many cores of its own, the rest of the pipeline to the "
+                             "other cores (0: no pinning); encode is then the bottleneck, as with replicas on machines "
+                             "of their own")
     parser.add_argument("--rounds", type=int, default=1, help="rounds of the scale-out measure, in alternating order")
     parser.add_argument("--no-warmup-run", dest="warmup_run", action="store_false",
                         help="skip the discarded first run of the scale-out measure")
