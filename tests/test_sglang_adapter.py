@@ -149,6 +149,12 @@ def test_sglang_pages_default_to_sixteen_tokens() -> None:
     assert server_args(SGLangEngineConfig(model_path="/m"), 1, 2)["page_size"] == 16
 
 
+def test_sglang_own_metrics_are_off_unless_asked_for() -> None:
+    # They cost the inter-token gap at one stream and nothing reads them (the worker's /metrics has its own series).
+    assert server_args(SGLangEngineConfig(model_path="/m"), 1, 2)["enable_metrics"] is False
+    assert server_args(SGLangEngineConfig(model_path="/m", enable_metrics=True), 1, 2)["enable_metrics"] is True
+
+
 async def test_relay_receives_zmq_batches_and_counts_gaps() -> None:
     import zmq
     import zmq.asyncio
