@@ -194,11 +194,16 @@ async def main(args: argparse.Namespace) -> None:
             runs: dict[str, list[Received]] = {"typed": [], "raw": []}
             for round_index in range(args.rounds):
                 order = ["typed", "raw"] if round_index % 2 == 0 else ["raw", "typed"]
+                order = [kind for kind in order if args.only in (None, kind)]
                 for kind in order:
                     result = await (receive_typed if kind == "typed" else receive_raw)(args, server.url)
                     say(f"{frame_tokens} token(s)/frame, round {round_index + 1}, {kind}: "
                         f"{result.tokens_per_s:,.0f} tok/s, lost {result.lost}")
                     runs[kind].append(result)
+            if args.only is not None:
+                for result in runs[args.only]:
+                    print(row(f"{args.only}, {frame_tokens} token(s)/frame", result, offered))
+                continue
             typed = sorted(runs["typed"], key=lambda r: r.tokens_per_s)[len(runs["typed"]) // 2]
             raw = sorted(runs["raw"], key=lambda r: r.tokens_per_s)[len(runs["raw"]) // 2]
             print(f"\n{frame_tokens} token(s) per frame (a frame per stream every {args.step_s * 1000:.1f} ms), "
@@ -220,6 +225,7 @@ if __name__ == "__main__":
     parser.add_argument("--seconds", type=float, default=3.0, help="length of each run")
     parser.add_argument("--tokens-per-frame", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (typed, raw; raw, typed; ...)")
+    parser.add_argument("--only", choices=["typed", "raw"], help="run one receiver only, every round listed")
     parser.add_argument("--nats", help=argparse.SUPPRESS)
     parser.add_argument("--prefix", help=argparse.SUPPRESS)
     parser.add_argument("--sender", type=int, default=0, help=argparse.SUPPRESS)
