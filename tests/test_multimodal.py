@@ -112,11 +112,17 @@ async def test_epd_e_pd_and_e_p_d_give_the_same_greedy_tokens(bus: Bus) -> None:
 
 
 async def test_the_same_image_hits_both_caches_and_a_different_image_shares_no_image_block(bus: Bus) -> None:
-    async with running_workers(bus, e_pd(), model=DEFAULT_MODEL, mode=ServingMode.ENCODE_AGGREGATED):
+    specs = e_pd()
+    encode = specs[1][1]
+    async with running_workers(bus, specs, model=DEFAULT_MODEL, mode=ServingMode.ENCODE_AGGREGATED):
         hits_before = metric("conveyor_media_cache_total", result="hit")
+        reads_before = metric("conveyor_embedding_handoffs_total", outcome="read")
         _, first = await ask(bus, [RED])
         _, blue = await ask(bus, [BLUE])
         _, again = await ask(bus, [RED])
+        # The encode worker acked at each handoff; the LLM worker's reads are what free the rows.
+        await wait_until(lambda: encode._exporter is not None and encode._exporter.pending == 0, timeout_s=5)
+    assert metric("conveyor_embedding_handoffs_total", outcome="read") - reads_before == 3
     assert metric("conveyor_media_cache_total", result="hit") - hits_before == 1
     # The prompt is template + text, 16 image tokens, template: the repeated image's blocks are served
     # from the prefix cache; a different image's are not (its pad ids, hence its block keys, differ).
