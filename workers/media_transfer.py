@@ -78,7 +78,7 @@ class _Offer:
     # Whether the request was cancelled (polled with the notifications; a cancel frees the range at once).
     cancelled: Callable[[], bool]
     expires_at_s: float
-    # How the offer ended: "read", "cancelled" or "expired".
+    # How the offer ended: "read", "cancelled", "expired", or "released" (never published, so never read).
     outcome: asyncio.Future[str] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -129,7 +129,7 @@ class EmbeddingExporter:
                           shape=list(rows.shape), dtype=str(rows.dtype).removeprefix("torch."))
 
     async def outcome(self, request_id: str) -> str:
-        """How the offer of `request_id` ends: "read", "cancelled" or "expired"."""
+        """How the offer of `request_id` ends: "read", "cancelled", "expired" or "released" (`release`)."""
         return await asyncio.shield(self._offers[request_id].outcome)
 
     def release(self, request_id: str) -> None:
