@@ -35,11 +35,14 @@ class TaskPublisher:
     `retry_for_s`.
     """
 
-    def __init__(self, js: JetStreamContext, names: Names, max_message_bytes: int, retry_for_s: float = 15.0) -> None:
+    def __init__(self, js: JetStreamContext, names: Names, max_message_bytes: int, retry_for_s: float = 15.0,
+                 ack_timeout_s: float | None = None) -> None:
         self._js = js
         self._names = names
         self.max_message_bytes = max_message_bytes
         self._retry_for_s = retry_for_s
+        # How long one attempt waits for JetStream's ack (None: the JetStream context's own timeout).
+        self._ack_timeout_s = ack_timeout_s
 
     async def publish(
         self, stage: Stage, task: WireModel, request_id: str, trace: TraceContext, model: str | None = None,
@@ -60,17 +63,23 @@ class TaskPublisher:
             TRACEPARENT_HEADER: trace.traceparent,
         }
         try:
-            ack = await self._publish_until_acked(subject, payload, headers)
+            ack, attempts = await self._publish_until_acked(subject, payload, headers)
         except ServiceUnavailableError as error:
             if error.err_code in _STREAM_FULL:
                 raise QueueFull(subject, error.description or "stream limit reached") from error
             raise
         MESSAGES_OUT.labels(stage=stage.value).inc()
+        if ack.duplicate and attempts > 1:
+            # An earlier attempt went unacknowledged (a node dying, a leader election) yet was stored: the copy
+            # JetStream kept is this one, not another request's (seen in a 3-node cluster losing a node).
+            log.info("publish.stored_before_its_ack_was_lost", subject=subject, request_id=request_id, attempts=attempts)
+            return True
         if ack.duplicate:
             log.info("publish.duplicate_dropped", subject=subject, request_id=request_id)
         return not ack.duplicate
 
-    async def _publish_until_acked(self, subject: str, payload: bytes, headers: dict[str, str]) -> PubAck:
+    async def _publish_until_acked(self, subject: str, payload: bytes, headers: dict[str, str]) -> tuple[PubAck, int]:
+        """The ack, and how many attempts it took."""
         retrying = AsyncRetrying(
             wait=wait_exponential(multiplier=0.1, max=1.0), stop=stop_after_delay(self._retry_for_s), reraise=True,
             retry=retry_if_exception_type((NoStreamResponseError, TimeoutError)),
@@ -78,5 +87,6 @@ class TaskPublisher:
                                                    error=repr(state.outcome.exception())))
         async for attempt in retrying:
             with attempt:
-                return await self._js.publish(subject, payload, headers=headers)
+                ack = await self._js.publish(subject, payload, timeout=self._ack_timeout_s, headers=headers)
+                return ack, attempt.retry_state.attempt_number
         raise AssertionError("unreachable: tenacity re-raises the last error")

@@ -143,6 +143,11 @@ class EmbeddedNatsServer:
         self.store_dir = store_dir
         self.log_file = store_dir / "nats-server.log"
 
+    @property
+    def pid(self) -> int | None:
+        """The nats-server's process id while it runs (tests pause it with SIGSTOP)."""
+        return self._process.pid if self._process is not None and self._process.poll() is None else None
+
     def halt(self, signum: signal.Signals) -> None:
         """Send `signum` and wait for the exit, keeping the store, so `start()` brings the same server
         back (tests of a restarting or dying server)."""

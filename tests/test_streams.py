@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+from pathlib import Path
+
 import pytest
 from nats.js.api import RetentionPolicy
 
@@ -72,6 +77,29 @@ async def test_republished_request_id_is_dropped_as_a_duplicate(bus: Bus) -> Non
     assert await publisher.publish(Stage.DECODE, task, task.request_id, TraceContext.new())
     assert not await publisher.publish(Stage.DECODE, task, task.request_id, TraceContext.new())
     assert await stream_len(bus, Stage.DECODE) == 1
+
+
+async def test_a_publish_stored_but_unacknowledged_is_not_mistaken_for_another_requests(tmp_path: Path) -> None:
+    # The server is paused while the task is in flight: the first attempt's ack never comes in time, the task
+    # is stored once the server resumes, and the retry is answered "duplicate" — of this very task.
+    from bus.connection import connect
+    from bus.settings import NatsSettings
+
+    with EmbeddedNatsServer(store_dir=tmp_path) as server:
+        nc = await connect(NatsSettings(urls=[server.url]), "lost-ack-test")
+        try:
+            names, settings = Names("lostack"), BusSettings(namespace="lostack")
+            await declare_all(nc.jetstream(), names, settings, nc.max_payload)
+            publisher = TaskPublisher(nc.jetstream(), names, settings.max_message_bytes, ack_timeout_s=0.5)
+            task = decode_task("lost-ack")
+            assert server.pid is not None
+            os.kill(server.pid, signal.SIGSTOP)
+            asyncio.get_running_loop().call_later(0.8, os.kill, server.pid, signal.SIGCONT)
+            assert await publisher.publish(Stage.DECODE, task, task.request_id, TraceContext.new())
+            info = await nc.jetstream().stream_info(names.work_stream(Stage.DECODE))
+            assert info.state.messages == 1
+        finally:
+            await nc.close()
 
 
 async def test_message_limit_is_capped_by_the_servers_max_payload() -> None:
