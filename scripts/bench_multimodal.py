@@ -23,8 +23,8 @@ Then, in this process, it moves embedding-sized buffers over NIXL (UCX, host mem
 from __future__ import annotations
 
 import argparse
-import functools
 import asyncio
+import functools
 import os
 import random
 import shutil

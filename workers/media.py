@@ -226,7 +226,7 @@ class MediaEncoder:
         # Resizing and normalizing run in parallel threads; only the tower itself runs one batch at a time.
         prepared = await asyncio.gather(*(asyncio.to_thread(self._tower.prepare, image.image) for image in missing))
         async with self._lock:
-            computed = await asyncio.to_thread(self._tower.encode, list(prepared))
+            computed = await asyncio.to_thread(self._tower.encode, prepared)
         fresh = {image.content_hash: encoded for image, encoded in zip(missing, computed)}
         for content_hash, encoded in fresh.items():
             self.cache.put(content_hash, encoded)
