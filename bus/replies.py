@@ -458,7 +458,10 @@ class ReplyStream:
         self.request_id = request_id
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._first_frame_timeout_s = first_frame_timeout_s
-        self._frames: asyncio.Queue[Msg] = asyncio.Queue()
+        # Frames the subscription delivered and the reader has not taken yet, and the reader's wait for more
+        # (a bare future and timer: `asyncio.wait_for` on a queue makes a task per frame, most of a frame's cost).
+        self._frames: deque[Msg] = deque()
+        self._waiter: asyncio.Future[None] | None = None
         self._subscriptions: list[Subscription] = []
         self._next_seq = 0
         # Frames that arrived ahead of a missing one, by seq, and when waiting for it ends.
@@ -478,7 +481,7 @@ class ReplyStream:
         self._subscriptions.append(
             await self._nc.subscribe(
                 self.inbox,
-                cb=self._frames.put,
+                cb=self._on_frame,
                 pending_msgs_limit=_INBOX_PENDING_MSGS,
                 pending_bytes_limit=_INBOX_PENDING_BYTES,
             )
@@ -495,6 +498,11 @@ class ReplyStream:
         for subscription in self._subscriptions:
             await subscription.unsubscribe()
         self._subscriptions.clear()
+
+    async def _on_frame(self, msg: Msg) -> None:
+        self._frames.append(msg)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     async def _answer_alive(self, msg: Msg) -> None:
         if msg.reply:
@@ -573,20 +581,34 @@ class ReplyStream:
             return frame
 
     async def _receive(self) -> Msg:
-        # Under load the next frame is usually queued already: skip the timer then.
-        if not self._frames.empty():
-            return self._frames.get_nowait()
+        # Under load the next frame is usually there already: no waiting, no timer.
+        if self._frames:
+            return self._frames.popleft()
         if self._ahead:
             timeout_s = max(0.0, self._gap_deadline - time.monotonic())
         else:
             timeout_s = self._first_frame_timeout_s if self._next_seq == 0 else self._heartbeat_timeout_s
+        if await self._frame_arrives(timeout_s):
+            return self._frames.popleft()
+        if self._ahead:
+            raise ReplyGap(f"reply stream of {self.request_id}: frame #{self._next_seq} missing, "
+                           f"#{min(self._ahead)} arrived")
+        state = "no frame yet" if self._next_seq == 0 else f"last frame was #{self._next_seq - 1}"
+        raise ReplyStreamBroken(f"reply stream of {self.request_id} silent for {timeout_s:.1f} s ({state})")
+
+    async def _frame_arrives(self, timeout_s: float) -> bool:
+        """Wait until a frame is delivered (True) or `timeout_s` passes (False)."""
+        loop = asyncio.get_running_loop()
+        self._waiter = waiter = loop.create_future()
+        timer = loop.call_later(timeout_s, _wake, waiter)
         try:
-            return await asyncio.wait_for(self._frames.get(), timeout=timeout_s)
-        except TimeoutError:
-            if self._ahead:
-                raise ReplyGap(f"reply stream of {self.request_id}: frame #{self._next_seq} missing, "
-                               f"#{min(self._ahead)} arrived") from None
-            state = "no frame yet" if self._next_seq == 0 else f"last frame was #{self._next_seq - 1}"
-            raise ReplyStreamBroken(
-                f"reply stream of {self.request_id} silent for {timeout_s:.1f} s ({state})"
-            ) from None
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+        return bool(self._frames)
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

@@ -7,7 +7,8 @@ one receiver (this process: `--streams` `ReplyStream`s on one connection, as `Pi
 each step, every stream sends one frame of `--tokens-per-frame` tokens (1 = one token per engine step, as
 SGLang streams; more = a sender coalescing), the steps paced so that all streams together offer `--offered-tok-s`. Each stream ends with its final frame, whose usage says how many
 tokens were sent; the receiver checks every stream got exactly those, in order (ReplyStream checks the
-sequence). Side by side in the same run: the same frames read by a bare nats-py subscription counting messages
+sequence). Every process runs on the event loop the workers and gateway run on (uvloop; CONVEYOR_EVENT_LOOP=asyncio
+for plain asyncio). Side by side in the same run: the same frames read by a bare nats-py subscription counting messages
 (the floor of one process), so the ratio shows what the typed reply stream costs.
 
     .venv/bin/python scripts/bench_fanin.py                                # 4 senders, 512 streams, 250k tok/s
@@ -37,6 +38,7 @@ from bus.replies import ReplySender, ReplyStream  # noqa: E402
 from bus.server import EmbeddedNatsServer  # noqa: E402
 from bus.settings import NatsSettings  # noqa: E402
 from schemas.replies import FinalFrame, FinishReason, Usage  # noqa: E402
+from workers.cli import run_loop  # noqa: E402
 
 TOKEN_TEXT = " token"
 
@@ -234,6 +236,6 @@ if __name__ == "__main__":
     parsed = parser.parse_args()
     if parsed.mode == "send":
         parsed.tokens_per_frame = parsed.tokens_per_frame[0]
-        asyncio.run(send(parsed))
+        run_loop(send(parsed))
     else:
-        asyncio.run(main(parsed))
+        run_loop(main(parsed))
