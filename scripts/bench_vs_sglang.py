@@ -321,18 +321,36 @@ def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def print_table(report: dict[str, Any]) -> None:
+    """Each system's median round, its ratios to the server's, and the tok/s ratio of each round (the two
+    systems of one round ran back to back, so a round's ratio is the least noisy figure)."""
     systems = [s for s in ("sglang", "conveyor", "conveyor-nats") if s in next(iter(report["levels"].values()))]
-    print("\nconc | system        |  tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | ratio tok/s, TTFT p50, ITL p50 vs sglang")
+    print("\nconc | system        |  tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
+          "vs sglang: tok/s, TTFT p50, TTFT p99, ITL p50, ITL p99 | tok/s ratio by round")
     for level, by_system in report["levels"].items():
         base = by_system["sglang"]
         for system in systems:
             row = by_system[system]
-            ratio = (f"{row['output_throughput'] / base['output_throughput']:.2f}×, "
-                     f"{row['median_ttft_ms'] / base['median_ttft_ms']:.2f}×, "
-                     f"{row['median_itl_ms'] / max(base['median_itl_ms'], 1e-9):.2f}×") if system != "sglang" else ""
+            ratio = by_round = ""
+            if system != "sglang":
+                ratio = ", ".join(f"{row.get(key, 0) / max(base.get(key, 0), 1e-9):.2f}×" for key in (
+                    "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms"))
+                rounds = by_system.get("rounds", {})
+                by_round = ", ".join(f"{mine['output_throughput'] / theirs['output_throughput']:.2f}×"
+                                     for mine, theirs in zip(rounds.get(system, []), rounds.get("sglang", [])))
             print(f"{level:>4} | {system:<13} | {row['output_throughput']:>6.0f} | {row['median_ttft_ms']:>7.1f} / "
-                  f"{row['p99_ttft_ms']:>7.1f} | {row['median_itl_ms']:>6.2f} / {row.get('p99_itl_ms', 0):>6.2f} | {ratio}")
+                  f"{row['p99_ttft_ms']:>7.1f} | {row['median_itl_ms']:>6.2f} / {row.get('p99_itl_ms', 0):>6.2f} | "
+                  f"{ratio} | {by_round}")
     print(flush=True)
+
+
+def warm_up(args: argparse.Namespace, urls: dict[str, str], logs: Path) -> None:
+    """One discarded run per server at the highest concurrency, one prompt per stream: kernels compiled and memory
+    pools grown for every batch size the levels reach, so the first level measured is not the one paying for it."""
+    level = max(args.concurrency)
+    for system, url in urls.items():
+        warm = argparse.Namespace(**{**vars(args), "prompts_per_stream": 1, "min_prompts": 1})
+        row = bench_http(warm, url, level, seed=7, out=logs / f"{system}-warmup.jsonl")
+        say(f"warm-up c={level} {system} (discarded): {row['output_throughput']:.0f} tok/s")
 
 
 def interrupt(signum: int, frame: Any) -> None:
@@ -379,6 +397,8 @@ def run(args: argparse.Namespace) -> None:
         urls = {"sglang": args.sglang_url or servers.start_sglang()}
         urls["conveyor"] = servers.start_conveyor()
         report["start_s"] = round(time.monotonic() - started, 1)
+        if args.warmup:
+            warm_up(args, urls, logs)
         for level in args.concurrency:
             runs: dict[str, list[dict[str, Any]]] = {}
             for round_index in range(args.rounds):
@@ -395,6 +415,7 @@ def run(args: argparse.Namespace) -> None:
                     say(f"c={level} round {round_index + 1} conveyor-nats: {row['output_throughput']:.0f} tok/s, "
                         f"TTFT p50 {row['median_ttft_ms']:.1f} ms, errors {row['errors']}")
             report["levels"][level] = {system: median_row(rows) for system, rows in runs.items()}
+            report["levels"][level]["rounds"] = runs
             (out_dir / "bench-vs-sglang.json").write_text(json.dumps(report, indent=1))
             if level == args.profile_concurrency:
                 report["profile"] = profile(args, servers, urls["conveyor"], out_dir)
@@ -421,6 +442,8 @@ def main() -> None:
                         help="Lengths are drawn from [ratio × len, len] (0.25: prompts 256–1024, outputs 128–512).")
     parser.add_argument("--prompts-per-stream", type=int, default=2, help="Requests per run = concurrency × this.")
     parser.add_argument("--min-prompts", type=int, default=8)
+    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                        help="One discarded run per server at the highest concurrency before the measured rounds.")
     parser.add_argument("--nats-clients", type=int, default=4,
                         help="Processes publishing the load straight to NATS (0: skip that system).")
     parser.add_argument("--profile-concurrency", type=int, default=0, help="Profile Conveyor after the runs at this concurrency (one of --concurrency; 0: no).")
