@@ -14,7 +14,8 @@ to $OUT (or --out).
 
     bash scripts/gpu_run.sh python3 scripts/bench_vs_sglang.py --model .gpu/smol --concurrency 1 16 64 128 256
 
-`nats-client` (a NATS client process) and `bench-once` (the profiled load) are modes the benchmark runs itself in.
+`nats-client` (a NATS client process), `bench-once` (the profiled load) and `serving-loop` (bench_serving kept
+running between runs, `--persistent-client`) are modes the benchmark runs itself in.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import argparse
 import asyncio
 import json
 import os
+import queue
 import random
 import shutil
 import signal
@@ -31,7 +33,10 @@ import subprocess
 import sys
 import time
 import urllib.request
+import threading
+import traceback
 import uuid
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -143,20 +148,131 @@ def num_prompts(args: argparse.Namespace, concurrency: int) -> int:
     return max(args.min_prompts, concurrency * args.prompts_per_stream)
 
 
-def bench_http(args: argparse.Namespace, base_url: str, concurrency: int, seed: int, out: Path) -> dict[str, Any]:
+def bench_http(args: argparse.Namespace, client: ServingClient, base_url: str, concurrency: int, seed: int,
+               out: Path) -> dict[str, Any]:
     """One sglang.bench_serving run; its JSON line."""
     out.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang-oai", "--base-url", base_url,
-               "--model", args.model, "--tokenizer", args.model, "--dataset-name", "random-ids",
-               "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-               "--random-range-ratio", str(args.range_ratio), "--num-prompts", str(num_prompts(args, concurrency)),
-               "--max-concurrency", str(concurrency), "--seed", str(seed), "--disable-tqdm", "--output-file", str(out)]
-    completed = subprocess.run(command, check=False, cwd=ROOT, capture_output=True, text=True, timeout=args.run_timeout_s)
-    if completed.returncode != 0 or not out.exists():
-        raise RuntimeError(f"bench_serving failed ({completed.returncode}): {completed.stderr[-2000:]}")
+    client.run(["--backend", "sglang-oai", "--base-url", base_url,
+                "--model", args.model, "--tokenizer", args.model, "--dataset-name", "random-ids",
+                "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+                "--random-range-ratio", str(args.range_ratio), "--num-prompts", str(num_prompts(args, concurrency)),
+                "--max-concurrency", str(concurrency), "--seed", str(seed), "--disable-tqdm", "--output-file", str(out)],
+               args.run_timeout_s)
+    if not out.exists():
+        raise RuntimeError(f"bench_serving wrote no results to {out}")
     row = json.loads(out.read_text().strip().splitlines()[-1])
     return {key: row[key] for key in ("completed", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
                                       "median_itl_ms", "p99_itl_ms", "median_e2e_latency_ms") if key in row}
+
+
+_RUN_DONE = "@@bench-serving-run-done"
+
+
+class ServingClient:
+    """SGLang's bench_serving, kept running between runs (`serving-loop` mode: imported once, one run per line of
+    arguments on its stdin). A run as its own `python -m sglang.bench_serving` spends ~25 s on the GPU machine
+    importing and loading before its first request, most of a device call over a benchmark's dozen runs. Where the
+    loop cannot run (it died, or this SGLang has no `cli_main`), each run is its own process again."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self._args = args
+        self._persistent = args.persistent_client
+        self._process: subprocess.Popen[str] | None = None
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._tail: deque[str] = deque(maxlen=40)
+
+    def run(self, arguments: list[str], timeout_s: float) -> None:
+        if self._persistent:
+            try:
+                return self._run_in_loop(arguments, timeout_s)
+            except _LoopGone as error:
+                say(f"bench_serving loop unavailable ({error}); one process per run from here")
+                self._persistent = False
+                self.close()
+        completed = subprocess.run([sys.executable, "-m", "sglang.bench_serving", *arguments], check=False, cwd=ROOT,
+                                   capture_output=True, text=True, timeout=timeout_s)
+        if completed.returncode != 0:
+            raise RuntimeError(f"bench_serving failed ({completed.returncode}): {completed.stderr[-2000:]}")
+
+    def close(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            assert self._process.stdin is not None
+            self._process.stdin.close()
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+        self._process = None
+
+    def _run_in_loop(self, arguments: list[str], timeout_s: float) -> None:
+        process = self._started()
+        assert process.stdin is not None
+        try:
+            process.stdin.write(json.dumps(arguments) + "\n")
+            process.stdin.flush()
+        except BrokenPipeError as error:
+            raise _LoopGone("its process exited") from error
+        deadline_s = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline_s - time.monotonic()))
+            except queue.Empty:
+                self.close()
+                raise RuntimeError(f"bench_serving run took over {timeout_s:.0f} s") from None
+            if line is None:
+                raise _LoopGone(f"its process exited: {' | '.join(self._tail)[-1500:]}")
+            if line.startswith(_RUN_DONE):
+                code = line.split()[1]
+                if code == "unavailable":
+                    raise _LoopGone("this SGLang has no bench_serving cli_main")
+                if code != "0":
+                    raise RuntimeError(f"bench_serving failed ({code}): {' | '.join(self._tail)[-2000:]}")
+                return
+            self._tail.append(line.rstrip())
+
+    def _started(self) -> subprocess.Popen[str]:
+        if self._process is None:
+            self._process = subprocess.Popen(
+                [sys.executable, __file__, "serving-loop", "--model", self._args.model], cwd=ROOT, text=True,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            threading.Thread(target=self._read, args=(self._process,), daemon=True).start()
+        return self._process
+
+    def _read(self, process: subprocess.Popen[str]) -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+
+class _LoopGone(Exception):
+    """The bench_serving loop cannot take runs."""
+
+
+def serving_loop() -> None:
+    """`serving-loop` mode: SGLang's bench_serving imported once; each line on stdin is one run's arguments (JSON),
+    each run ends with a `_RUN_DONE <exit code>` line on stdout, after whatever bench_serving printed."""
+    try:
+        from sglang.benchmark.serving import cli_main
+    except ImportError:
+        try:
+            from sglang.bench_serving import cli_main
+        except ImportError:
+            cli_main = None
+    for line in sys.stdin:
+        if cli_main is None:
+            print(f"{_RUN_DONE} unavailable", flush=True)
+            continue
+        sys.argv = ["bench_serving", *json.loads(line)]
+        try:
+            cli_main()
+            code: int | str = 0
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else 1
+        except Exception:  # a failed run is reported, and the loop takes the next
+            traceback.print_exc(file=sys.stdout)
+            code = 1
+        print(f"\n{_RUN_DONE} {code}", flush=True)
 
 
 def bench_nats(args: argparse.Namespace, nats_url: str, namespace: str, concurrency: int, seed: int) -> dict[str, Any]:
@@ -343,13 +459,13 @@ def print_table(report: dict[str, Any]) -> None:
     print(flush=True)
 
 
-def warm_up(args: argparse.Namespace, urls: dict[str, str], logs: Path) -> None:
+def warm_up(args: argparse.Namespace, client: ServingClient, urls: dict[str, str], logs: Path) -> None:
     """One discarded run per server at the highest concurrency, one prompt per stream: kernels compiled and memory
     pools grown for every batch size the levels reach, so the first level measured is not the one paying for it."""
     level = max(args.concurrency)
     for system, url in urls.items():
         warm = argparse.Namespace(**{**vars(args), "prompts_per_stream": 1, "min_prompts": 1})
-        row = bench_http(warm, url, level, seed=7, out=logs / f"{system}-warmup.jsonl")
+        row = bench_http(warm, client, url, level, seed=7, out=logs / f"{system}-warmup.jsonl")
         say(f"warm-up c={level} {system} (discarded): {row['output_throughput']:.0f} tok/s")
 
 
@@ -391,6 +507,7 @@ def run(args: argparse.Namespace) -> None:
     logs = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-vs-sglang-{uuid.uuid4().hex[:6]}"
     logs.mkdir(parents=True)
     servers = Servers(args, logs)
+    client = ServingClient(args)
     report: dict[str, Any] = {"args": vars(args), "levels": {}}
     started = time.monotonic()
     try:
@@ -398,14 +515,14 @@ def run(args: argparse.Namespace) -> None:
         urls["conveyor"] = servers.start_conveyor()
         report["start_s"] = round(time.monotonic() - started, 1)
         if args.warmup:
-            warm_up(args, urls, logs)
+            warm_up(args, client, urls, logs)
         for level in args.concurrency:
             runs: dict[str, list[dict[str, Any]]] = {}
             for round_index in range(args.rounds):
                 order = ["sglang", "conveyor"] if round_index % 2 == 0 else ["conveyor", "sglang"]
                 seed = 100 * level + round_index
                 for system in order:
-                    row = bench_http(args, urls[system], level, seed, logs / f"{system}.jsonl")
+                    row = bench_http(args, client, urls[system], level, seed, logs / f"{system}.jsonl")
                     runs.setdefault(system, []).append(row)
                     say(f"c={level} round {round_index + 1} {system}: {row['output_throughput']:.0f} tok/s, "
                         f"TTFT p50 {row['median_ttft_ms']:.1f} ms, ITL p50 {row['median_itl_ms']:.2f} ms")
@@ -424,6 +541,7 @@ def run(args: argparse.Namespace) -> None:
         print_table(report)
     finally:
         (out_dir / "bench-vs-sglang.json").write_text(json.dumps(report, indent=1))
+        client.close()
         servers.stop()
         tails = {name: (logs / f"{name}.log").read_bytes()[-3000:].decode(errors="replace")
                  for name in servers.processes if (logs / f"{name}.log").exists()}
@@ -432,7 +550,7 @@ def run(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", nargs="?", choices=["bench", "nats-client", "bench-once"], default="bench")
+    parser.add_argument("mode", nargs="?", choices=["bench", "nats-client", "bench-once", "serving-loop"], default="bench")
     parser.add_argument("--model", required=True, help="Model directory (config + tokenizer; weights are dummy).")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 128, 256])
     parser.add_argument("--rounds", type=int, default=2, help="Rounds per concurrency; the median is kept.")
@@ -442,6 +560,8 @@ def main() -> None:
                         help="Lengths are drawn from [ratio × len, len] (0.25: prompts 256–1024, outputs 128–512).")
     parser.add_argument("--prompts-per-stream", type=int, default=2, help="Requests per run = concurrency × this.")
     parser.add_argument("--min-prompts", type=int, default=8)
+    parser.add_argument("--persistent-client", action=argparse.BooleanOptionalAction, default=True,
+                        help="Keep one bench_serving process for every run (imported once) instead of one per run.")
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="One discarded run per server at the highest concurrency before the measured rounds.")
     parser.add_argument("--nats-clients", type=int, default=4,
@@ -476,8 +596,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--base-url", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.mode == "bench-once":  # one bench_serving run, its row on stdout (the profiled load)
-        row = bench_http(args, args.base_url, args.concurrency[0], 7, Path(args.out) / "profile-run.jsonl")
+    if args.mode == "serving-loop":
+        serving_loop()
+    elif args.mode == "bench-once":  # one bench_serving run, its row on stdout (the profiled load)
+        args.persistent_client = False  # one run: nothing to keep
+        row = bench_http(args, ServingClient(args), args.base_url, args.concurrency[0], 7,
+                         Path(args.out) / "profile-run.jsonl")
         print(json.dumps(row))
     elif args.mode == "nats-client":
         args.concurrency = args.concurrency[0]
