@@ -8,6 +8,8 @@ from bus.kv_events import GapTracker, KvEventPublisher
 from schemas.codec import decode
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch
 from tests.conftest import Bus
+from workers.engines.events import merged_batches
+from workers.engines.protocol import KvEventBatchOut
 
 
 async def read_batches(bus: Bus) -> list[KvEventBatch]:
@@ -38,3 +40,14 @@ def test_gap_tracker_reports_missed_batches() -> None:
     assert list(tracker.observe(batch(0))) == []
     assert list(tracker.observe(batch(1))) == []
     assert list(tracker.observe(batch(4))) == [2, 3]
+
+
+def test_batches_of_one_rank_merge_in_order_and_ranks_stay_apart() -> None:
+    stored = [BlockStored(block_hashes=[k], token_ids=list(range(4)), block_size=4) for k in range(4)]
+    removed = BlockRemoved(block_hashes=[0])
+    batches = [KvEventBatchOut([stored[0]], ts=1.0), KvEventBatchOut([stored[1], removed], ts=2.0),
+               KvEventBatchOut([stored[2]], ts=3.0, data_parallel_rank=1), KvEventBatchOut([stored[3]], ts=4.0)]
+    merged = merged_batches(batches)
+    assert [(b.events, b.ts, b.data_parallel_rank) for b in merged] == [
+        ([stored[0], stored[1], removed], 2.0, 0), ([stored[2]], 3.0, 1), ([stored[3]], 4.0, 0)]
+    assert merged_batches([]) == []

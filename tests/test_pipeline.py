@@ -204,6 +204,31 @@ async def test_kv_events_of_a_request_name_the_blocks_the_engine_stored(bus: Bus
     assert [b.seq for b in batches] == list(range(len(batches)))
 
 
+async def test_kv_event_batches_arriving_together_are_published_as_one_message(bus: Bus) -> None:
+    # Eight prompts 25 ms apart: the engine emits a batch per prompt; within the relay's 300 ms window they go as
+    # one or two messages (without it, one each).
+    prompts = [list(range(1000 * k, 1000 * k + 32)) for k in range(1, 9)]
+    async with running_workers(bus, [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, mock_decode())],
+                               kv_events_interval_s=0.3) as workers:
+        client = client_of(bus)
+        streams = []
+        for prompt in prompts:
+            streams.append(await client.submit(completion(client, prompt, max_tokens=1)))
+            await asyncio.sleep(0.025)
+        for stream in streams:
+            async with stream:
+                await stream.collect()
+        await asyncio.sleep(0.5)  # past the window
+        subscription = await bus.js.pull_subscribe(bus.names.kv_events_subject(workers[1].runtime.options.worker_id),
+                                                   stream=bus.names.kv_events_stream,
+                                                   config=ConsumerConfig(ack_policy=AckPolicy.NONE))
+        batches = [decode(m.data, KvEventBatch) for m in await subscription.fetch(batch=100, timeout=2)]
+    stored = [tuple(e.block_hashes) for b in batches for e in b.events if isinstance(e, BlockStored)]
+    assert sorted(stored) == sorted(tuple(chain_hashes(prompt, 16)) for prompt in prompts)
+    assert len(batches) <= 2
+    assert [b.seq for b in batches] == list(range(len(batches)))
+
+
 async def test_registry_lists_ready_workers_and_forgets_them_on_shutdown(bus: Bus) -> None:
     async with running_workers(bus, [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, mock_decode())]) as workers:
         cards = await live_workers(bus.registry)

@@ -249,6 +249,10 @@ def worker(
     shutdown_grace_s: Annotated[float, typer.Option(help="On SIGTERM, how long in-flight work may finish before it is handed back.")] = 30.0,
     load_format: Annotated[str, typer.Option(help="auto, or dummy (random weights; for benchmarks).")] = "auto",
     coalesce_ms: Annotated[float, typer.Option(min=0.0, help="Merge a stream's tokens arriving within this window into one frame (fewer messages at high token rates).")] = 0.0,
+    kv_events_interval_ms: Annotated[float, typer.Option(min=0.0, help=(
+        "Publish the engine's KV-cache events this often at most: batches arriving within this window of each other "
+        "go as one message (an engine emits one per step that fills a page; each publish costs the worker's event "
+        "loop, which token frames share). 0: one message per engine batch."))] = 5.0,
     migration_limit: Annotated[int, typer.Option(min=0, help=(
         "Decode: how many times one request may move to another replica when its worker dies or stops "
         "mid-stream (0: never; the client gets a retryable worker_lost error, and no reply journal is kept)."))] = 3,
@@ -333,7 +337,7 @@ def worker(
         engine_name=engine_kind.value, http_host=http_host,
         http_port=http_port, max_concurrency=max_concurrency or _DEFAULT_CONCURRENCY.get(stage_kind, 32),
         shutdown_grace_s=shutdown_grace_s,
-        coalesce_window_s=coalesce_ms / 1000, pool=pool,
+        coalesce_window_s=coalesce_ms / 1000, kv_events_interval_s=kv_events_interval_ms / 1000, pool=pool,
     )
     run_loop(WorkerRuntime(built, options, nats_settings, bus_settings).run())
 
