@@ -1,7 +1,7 @@
 """What relaying KV-cache events costs a worker's event loop, with and without merging batches in a window.
 
-An engine emits a KV-event batch at every step that fills a page: at 16 streams of 2 ms steps and 16-token pages,
-about 500 a second. The worker publishes them to the KV-events stream (JetStream, acknowledged) from the same event
+The torch engine emits a KV-event batch at every step that fills a page: at 16 streams of 2 ms steps and 16-token
+pages, about 500 a second (SGLang emits fewer: after each prefill and every 40th decode step). The worker publishes them to the KV-events stream (JetStream, acknowledged) from the same event
 loop that sends every token frame, so each publish's cost is time the token frames wait. This feeds engine-like
 batches (one stored page each, chained) at `--batches-per-s` into `relay_in_windows` with the worker's real
 `KvEventPublisher` against an embedded nats-server, once per `--interval-ms` (alternating, `--rounds` times), and

@@ -251,7 +251,7 @@ def worker(
     coalesce_ms: Annotated[float, typer.Option(min=0.0, help="Merge a stream's tokens arriving within this window into one frame (fewer messages at high token rates).")] = 0.0,
     kv_events_interval_ms: Annotated[float, typer.Option(min=0.0, help=(
         "Publish the engine's KV-cache events this often at most: batches arriving within this window of each other "
-        "go as one message (an engine emits one per step that fills a page; each publish costs the worker's event "
+        "go as one message (the torch engine emits one per step that fills a page; each publish costs the worker's event "
         "loop, which token frames share). 0: one message per engine batch."))] = 5.0,
     migration_limit: Annotated[int, typer.Option(min=0, help=(
         "Decode: how many times one request may move to another replica when its worker dies or stops "

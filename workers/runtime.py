@@ -386,9 +386,10 @@ class WorkerRuntime:
 
     async def _relay_kv_events(self, engine: Engine, publisher: KvEventPublisher) -> None:
         """The engine's KV-event batches to the KV-events stream; those that arrive within `kv_events_interval_s` of
-        the first go as one message. An engine emits a batch at every step that fills a page (about 500 a second at
-        16 streams of 2 ms steps), and each acknowledged publish costs this event loop, which every token frame
-        shares, 0.1–0.2 ms (scripts/bench_kv_relay.py)."""
+        the first go as one message. The torch engine emits a batch at every step that fills a page (about 500 a
+        second at 16 streams of 2 ms steps; SGLang, after each prefill and every 40th decode step), and each
+        acknowledged publish costs this event loop, which every token frame shares, 0.1–0.2 ms
+        (scripts/bench_kv_relay.py)."""
         await relay_in_windows(engine.kv_events(), lambda batch: self._publish_kv_batch(publisher, batch),
                                self.options.kv_events_interval_s)
 

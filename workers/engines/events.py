@@ -43,8 +43,8 @@ def merged_batches(batches: list[KvEventBatchOut]) -> list[KvEventBatchOut]:
 
 async def relay_in_windows(batches: AsyncIterator[KvEventBatchOut], publish: Callable[[KvEventBatchOut], Awaitable[None]],
                            interval_s: float) -> None:
-    """Publish `batches` as they come, those arriving within `interval_s` of the first merged into one (a batch comes
-    at every engine step that fills a page; each publish has a fixed cost). Runs until cancelled."""
+    """Publish `batches` as they come, those arriving within `interval_s` of the first merged into one (the torch engine
+    emits one at every step that fills a page; each publish has a fixed cost). Runs until cancelled."""
     pending: list[KvEventBatchOut] = []
     arrived = asyncio.Event()
 
