@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import structlog
+
+from bus.metrics import GC_PAUSE
 
 log = structlog.get_logger(__name__)
 
@@ -56,3 +61,30 @@ def dies_with_parent(signum: signal.Signals = signal.SIGTERM) -> Callable[[], No
         libc.prctl(_PR_SET_PDEATHSIG, int(signum))
 
     return set_parent_death_signal
+
+
+def freeze_startup_objects() -> int:
+    """Collect garbage, then take every object alive now (modules, the engine's tables, settings) out of the garbage
+    collector's view, for the life of the process; returns how many. Without it each full collection walks them all,
+    and a worker holding 200k+ objects pauses its event loop, frames and all, for tens of milliseconds
+    (docs/performance.md). Call once, after startup; SGLang recommends the same (its `freeze_gc`)."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+def observe_gc_pauses() -> None:
+    """Time every garbage collection of this process into `conveyor_gc_pause_seconds` (once per process)."""
+    if _observe_gc not in gc.callbacks:
+        gc.callbacks.append(_observe_gc)
+
+
+_gc_started_s = 0.0
+
+
+def _observe_gc(phase: str, info: dict[str, Any]) -> None:
+    global _gc_started_s
+    if phase == "start":
+        _gc_started_s = time.perf_counter()
+    else:
+        GC_PAUSE.labels(generation=str(info["generation"])).observe(time.perf_counter() - _gc_started_s)

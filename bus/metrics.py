@@ -24,6 +24,9 @@ IN_FLIGHT = Gauge("conveyor_in_flight", "Tasks being handled now", ["stage"])
 REPLY_FRAMES = Counter("conveyor_reply_frames_total", "Frames published to reply inboxes", ["kind"])
 # where: queued (dropped when pulled) | running (handler told) | received (seen on the control subject)
 CANCELS = Counter("conveyor_cancels_total", "Cancels seen and acted on", ["where"])
+# A garbage collection stops the whole process, its event loop (and every stream's next token) included.
+GC_PAUSE = Histogram("conveyor_gc_pause_seconds", "Time one garbage collection stopped the process", ["generation"],
+                     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))
 CLIENTS_GONE = Counter("conveyor_clients_gone_total", "Streams stopped because the client stopped answering")
 
 # Per-request serving metrics, observed by the stage that streams to the client.

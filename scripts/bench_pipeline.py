@@ -15,6 +15,7 @@ queue, decode → reply inbox) is the added latency per hop.
     .venv/bin/python scripts/bench_pipeline.py
     .venv/bin/python scripts/bench_pipeline.py --concurrency 1 16 64 --tokens 64 --inter-token-ms 10
     .venv/bin/python scripts/bench_pipeline.py --journal-cost      # migration's reply journal on vs off
+    .venv/bin/python scripts/bench_pipeline.py --compare gc-freeze # the workers' --freeze-gc on vs off
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from bus.client import open_client  # noqa: E402
 from bus.registry import ready_models  # noqa: E402
@@ -58,14 +62,19 @@ class RunResult:
     ttft_ms: float
     itl_ms: float
     tokens_per_s: float
+    ttft_p99_ms: float = 0.0
+    itl_p99_ms: float = 0.0
 
 
 def summarize(timings: list[StreamTiming], elapsed_s: float) -> RunResult:
-    gaps = [gap for timing in timings for gap in timing.gaps_s]
+    gaps = sorted(gap for timing in timings for gap in timing.gaps_s)
+    ttfts = sorted(t.ttft_s for t in timings)
     return RunResult(
-        ttft_ms=1000 * statistics.median(t.ttft_s for t in timings),
+        ttft_ms=1000 * statistics.median(ttfts),
         itl_ms=1000 * statistics.median(gaps) if gaps else 0.0,
         tokens_per_s=sum(t.tokens for t in timings) / elapsed_s,
+        ttft_p99_ms=1000 * ttfts[int(0.99 * (len(ttfts) - 1))],
+        itl_p99_ms=1000 * gaps[int(0.99 * (len(gaps) - 1))] if gaps else 0.0,
     )
 
 
@@ -98,48 +107,89 @@ async def measure(concurrency: int, tokens: int, stream_once) -> RunResult:  # t
 
 
 def spawn_workers(url: str, namespace: str, env_mock: dict[str, str],
-                  decode_args: tuple[str, ...] = ()) -> list[subprocess.Popen[bytes]]:
+                  decode_args: tuple[str, ...] = (), worker_args: tuple[str, ...] = ()) -> list[subprocess.Popen[bytes]]:
     env = {**os.environ, **env_mock, "CONVEYOR_NATS_URLS": url, "CONVEYOR_NAMESPACE": namespace,
            "PYTHONPATH": str(ROOT)}
     return [subprocess.Popen([sys.executable, "-m", "workers.cli", "worker", stage, "--engine", "mock",
-                              "--log-level", "WARNING", "--max-concurrency", "128",
+                              "--log-level", "WARNING", "--max-concurrency", "128", *worker_args,
                               *(decode_args if stage == "decode" else ())], cwd=ROOT, env=env)
             for stage in ("processor", "decode")]
 
 
-async def journal_cost(levels: list[int], tokens: int, inter_token_ms: float, rounds: int) -> None:
-    """The reply journal (migration) on and off, side by side: two pipelines on one server, rounds
-    alternating between them."""
+# What `--compare` sets side by side: per variant, (arguments of the decode worker, of both workers).
+VARIANTS: dict[str, dict[str, tuple[tuple[str, ...], tuple[str, ...]]]] = {
+    "journal": {"journal on": ((), ()), "journal off": (("--migration-limit", "0"), ())},
+    "gc-freeze": {"gc frozen": ((), ("--freeze-gc",)), "gc not frozen": ((), ("--no-freeze-gc",))},
+}
+
+
+async def side_by_side(what: str, levels: list[int], tokens: int, inter_token_ms: float, rounds: int) -> None:
+    """Two pipelines on one server that differ in one setting (`VARIANTS`), rounds alternating between them."""
     env_mock = {"CONVEYOR_MOCK_INTER_TOKEN_S": str(inter_token_ms / 1000), "CONVEYOR_MOCK_TTFT_BASE_S": "0.005",
                 "CONVEYOR_MOCK_TTFT_PER_PROMPT_TOKEN_S": "0", "CONVEYOR_MOCK_MAX_RUNNING_REQUESTS": "256"}
+    variants = VARIANTS[what]
+    (first, second) = variants
     with EmbeddedNatsServer() as server:
-        spaces = {"journal on": f"on{uuid.uuid4().hex[:6]}", "journal off": f"off{uuid.uuid4().hex[:6]}"}
-        workers = (spawn_workers(server.url, spaces["journal on"], env_mock)
-                   + spawn_workers(server.url, spaces["journal off"], env_mock, ("--migration-limit", "0")))
+        spaces = {name: f"v{index}{uuid.uuid4().hex[:6]}" for index, name in enumerate(variants)}
+        workers = [worker for name, (decode_args, worker_args) in variants.items()
+                   for worker in spawn_workers(server.url, spaces[name], env_mock, decode_args, worker_args)]
         try:
-            async with open_client(NatsSettings(urls=[server.url]), BusSettings(namespace=spaces["journal on"]), "on") as on, \
-                    open_client(NatsSettings(urls=[server.url]), BusSettings(namespace=spaces["journal off"]), "off") as off:
-                clients = {"journal on": on, "journal off": off}
+            async with open_client(NatsSettings(urls=[server.url]), BusSettings(namespace=spaces[first]), "a") as a, \
+                    open_client(NatsSettings(urls=[server.url]), BusSettings(namespace=spaces[second]), "b") as b:
+                clients = {first: a, second: b}
                 for client in clients.values():
                     await wait_ready(client)
                     await measure(4, 8, lambda n, c=client: pipeline_stream(c, n))  # warm-up
-                print(f"reply journal on vs off: mock engine, inter-token {inter_token_ms:g} ms, {tokens} tokens per "
+                print(f"{first} vs {second}: mock engine, inter-token {inter_token_ms:g} ms, {tokens} tokens per "
                       f"stream; medians of {rounds} alternating rounds\n")
-                print(f"{'streams':>7} | {'TTFT ms on/off':>15} | {'ITL ms on/off':>14} | {'tok/s on/off':>14} | ratios on÷off")
+                print(f"{'streams':>7} | {'TTFT ms p50 / p99':>27} | {'ITL ms p50 / p99':>27} | {'tok/s':>13} | "
+                      f"ratios {first} ÷ {second}")
                 for level in levels:
                     runs: dict[str, list[RunResult]] = {name: [] for name in clients}
-                    for _ in range(rounds):
-                        for name, client in clients.items():
+                    for round_index in range(rounds):
+                        order = list(clients) if round_index % 2 == 0 else list(reversed(clients))
+                        for name in order:
+                            client = clients[name]
                             runs[name].append(await measure(level, tokens, lambda n, c=client: pipeline_stream(c, n)))
-                    j, n = _median_run(runs["journal on"]), _median_run(runs["journal off"])
-                    print(f"{level:>7} | {j.ttft_ms:>6.1f} / {n.ttft_ms:>6.1f} | {j.itl_ms:>5.2f} / {n.itl_ms:>6.2f} | "
-                          f"{j.tokens_per_s:>6.0f} / {n.tokens_per_s:>5.0f} | TTFT {j.ttft_ms / n.ttft_ms:.2f}×, "
-                          f"ITL {j.itl_ms / n.itl_ms:.2f}×, tok/s {j.tokens_per_s / n.tokens_per_s:.2f}×")
+                    j, n = _median_run(runs[first]), _median_run(runs[second])
+                    ttft_p99 = statistics.median(r.ttft_p99_ms for r in runs[first]), statistics.median(
+                        r.ttft_p99_ms for r in runs[second])
+                    itl_p99 = statistics.median(r.itl_p99_ms for r in runs[first]), statistics.median(
+                        r.itl_p99_ms for r in runs[second])
+                    print(f"{level:>7} | {j.ttft_ms:>5.1f} / {ttft_p99[0]:>5.1f} vs {n.ttft_ms:>5.1f} / {ttft_p99[1]:>5.1f} | "
+                          f"{j.itl_ms:>5.2f} / {itl_p99[0]:>5.1f} vs {n.itl_ms:>5.2f} / {itl_p99[1]:>5.1f} | "
+                          f"{j.tokens_per_s:>5.0f} / {n.tokens_per_s:>5.0f} | TTFT {j.ttft_ms / n.ttft_ms:.2f}× "
+                          f"(p99 {ttft_p99[0] / ttft_p99[1]:.2f}×), ITL {j.itl_ms / n.itl_ms:.2f}× "
+                          f"(p99 {itl_p99[0] / itl_p99[1]:.2f}×), tok/s {j.tokens_per_s / n.tokens_per_s:.2f}×")
+                for name, client in clients.items():
+                    pauses = await gc_pauses(client)
+                    print(f"  {name}: the workers' garbage collections over the whole run: {pauses}")
         finally:
             for worker in workers:
                 worker.send_signal(signal.SIGTERM)
             for worker in workers:
                 worker.wait(timeout=30)
+
+
+async def gc_pauses(client) -> str:  # type: ignore[no-untyped-def]
+    """What `conveyor_gc_pause_seconds` of the client's workers adds up to: collections, time, and how many took
+    10 ms or more."""
+    collections = total_s = long = 0.0
+    for card in await client.live_workers():
+        with urllib.request.urlopen(card.metrics_url, timeout=5) as response:
+            text = response.read().decode()
+        for family in text_string_to_metric_families(text):
+            if family.name != "conveyor_gc_pause_seconds":
+                continue
+            for sample in family.samples:
+                if sample.name.endswith("_count"):
+                    collections += sample.value
+                elif sample.name.endswith("_sum"):
+                    total_s += sample.value
+                elif sample.name.endswith("_bucket") and sample.labels["le"] == "0.01":
+                    long -= sample.value  # those under 10 ms, taken off the count below
+            long += sum(s.value for s in family.samples if s.name.endswith("_count"))
+    return f"{collections:.0f} collections, {total_s * 1000:.0f} ms in all, {long:.0f} of 10 ms or more"
 
 
 async def wait_ready(client) -> None:  # type: ignore[no-untyped-def]
@@ -197,8 +247,13 @@ if __name__ == "__main__":
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--inter-token-ms", type=float, default=10.0)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--journal-cost", action="store_true",
-                        help="instead: the reply journal (migration) on vs off, side by side")
+    parser.add_argument("--compare", choices=sorted(VARIANTS),
+                        help="instead: two pipelines side by side that differ in one setting (journal: the reply "
+                             "journal on vs off; gc-freeze: the workers' --freeze-gc on vs off)")
+    parser.add_argument("--journal-cost", action="store_true", help="the same as --compare journal")
     args = parser.parse_args()
-    run = journal_cost if args.journal_cost else main
-    asyncio.run(run(args.concurrency, args.tokens, args.inter_token_ms, args.rounds))
+    what = "journal" if args.journal_cost else args.compare
+    if what is None:
+        asyncio.run(main(args.concurrency, args.tokens, args.inter_token_ms, args.rounds))
+    else:
+        asyncio.run(side_by_side(what, args.concurrency, args.tokens, args.inter_token_ms, args.rounds))

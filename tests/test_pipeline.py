@@ -4,6 +4,7 @@ matters and the torch engine where output must be real."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from tests.pipeline_helpers import (
     mock_processor,
     running_workers,
 )
+from workers.runtime import WorkerOptions, WorkerRuntime, run_in_own_process
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -227,6 +229,30 @@ async def test_kv_event_batches_arriving_together_are_published_as_one_message(b
     assert sorted(stored) == sorted(tuple(chain_hashes(prompt, 16)) for prompt in prompts)
     assert len(batches) <= 2
     assert [b.seq for b in batches] == list(range(len(batches)))
+
+
+@pytest.mark.parametrize("freeze_gc", [True, False])
+async def test_a_worker_in_its_own_process_takes_its_startup_objects_out_of_the_collector_once_ready(
+        bus: Bus, freeze_gc: bool) -> None:
+    options = WorkerOptions(stage=Stage.DECODE, model=MOCK, mode=ServingMode.AGGREGATED, engine_name="test",
+                            http_host="127.0.0.1", canary_interval_s=3600, handle_signals=False)
+    runtime = WorkerRuntime(mock_decode(), options, bus.nats_settings, bus.settings)
+    gc.unfreeze()
+    serving = asyncio.create_task(run_in_own_process(runtime, freeze_gc))
+    try:
+        await asyncio.wait_for(runtime.started.wait(), timeout=60)
+        await asyncio.sleep(0.2)
+        frozen = gc.get_freeze_count()
+        assert (frozen > 10_000) if freeze_gc else frozen == 0
+        async with running_workers(bus, [(Stage.PROCESSOR, mock_processor())]):
+            client = client_of(bus)
+            async with await client.submit(completion(client, [1, 2, 3], max_tokens=3)) as stream:
+                chunks, final = await stream.collect()
+        assert isinstance(final, FinalFrame) and sum(len(c.token_ids) for c in chunks) == 3
+    finally:
+        runtime.request_stop()
+        await asyncio.wait_for(serving, timeout=30)
+        gc.unfreeze()
 
 
 async def test_registry_lists_ready_workers_and_forgets_them_on_shutdown(bus: Bus) -> None:

@@ -249,6 +249,9 @@ def worker(
     shutdown_grace_s: Annotated[float, typer.Option(help="On SIGTERM, how long in-flight work may finish before it is handed back.")] = 30.0,
     load_format: Annotated[str, typer.Option(help="auto, or dummy (random weights; for benchmarks).")] = "auto",
     coalesce_ms: Annotated[float, typer.Option(min=0.0, help="Merge a stream's tokens arriving within this window into one frame (fewer messages at high token rates).")] = 0.0,
+    freeze_gc: Annotated[bool, typer.Option(help=(
+        "Once ready, take the objects startup created out of the garbage collector's view, so that its full "
+        "collections do not pause the event loop (and every stream's tokens) for tens of milliseconds."))] = True,
     kv_events_interval_ms: Annotated[float, typer.Option(min=0.0, help=(
         "Publish the engine's KV-cache events this often at most: batches arriving within this window of each other "
         "go as one message (the torch engine emits one per step that fills a page; each publish costs the worker's event "
@@ -297,7 +300,7 @@ def worker(
     """
     from schemas.registry import ServingMode, Stage
     from workers.engines.factory import EngineKind
-    from workers.runtime import WorkerOptions, WorkerRuntime
+    from workers.runtime import WorkerOptions, WorkerRuntime, run_in_own_process
     from bus.router import RouterMode, RouterOptions
     from workers.decode import MigrationPolicy
     from workers.image import ImageStorage
@@ -339,7 +342,7 @@ def worker(
         shutdown_grace_s=shutdown_grace_s,
         coalesce_window_s=coalesce_ms / 1000, kv_events_interval_s=kv_events_interval_ms / 1000, pool=pool,
     )
-    run_loop(WorkerRuntime(built, options, nats_settings, bus_settings).run())
+    run_loop(run_in_own_process(WorkerRuntime(built, options, nats_settings, bus_settings), freeze_gc))
 
 
 def _default_model(stage: object, engine: object) -> str:
@@ -579,6 +582,7 @@ def gateway(
 ) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) over the pipeline."""
     from bus.client import open_client
+    from bus.lifecycle import freeze_startup_objects
     from workers.gateway import GatewayOptions, serving
 
     configure_logging(log_level)
@@ -601,6 +605,8 @@ def gateway(
                     allow_lora_updates=allow_lora_updates, tool_call_parser=default_format,
                     tool_call_parsers=per_model)) as bound:
                 typer.echo(f"[conveyor] OpenAI API on http://{host}:{bound}/v1", err=True)
+                # Startup's objects out of the garbage collector's view: its full collections stay short.
+                freeze_startup_objects()
                 await stop.wait()
 
     run_loop(run())
