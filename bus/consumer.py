@@ -172,6 +172,11 @@ class WorkConsumer(Generic[TaskT]):
         # Cleared while paused (engine memory released): nothing is fetched, nothing is lost.
         self._unpaused = asyncio.Event()
         self._unpaused.set()
+        # This stage's series of the per-task metrics, bound once (a `labels()` lookup per task adds up).
+        self._in_flight = IN_FLIGHT.labels(stage=stage.value)
+        self._messages_in = MESSAGES_IN.labels(stage=stage.value)
+        self._handler_seconds = HANDLER_SECONDS.labels(stage=stage.value)
+        self._acked = MESSAGES_HANDLED.labels(stage=stage.value, outcome="acked")
 
     @property
     def bound(self) -> bool:
@@ -300,12 +305,12 @@ class WorkConsumer(Generic[TaskT]):
     def _spawn(self, msg: Msg) -> None:
         task = asyncio.create_task(self._handle_guarded(msg))
         self._tasks.add(task)
-        IN_FLIGHT.labels(stage=self.stage.value).inc()
+        self._in_flight.inc()
         task.add_done_callback(self._on_task_done)
 
     def _on_task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
-        IN_FLIGHT.labels(stage=self.stage.value).dec()
+        self._in_flight.dec()
         self._slot_freed.set()
 
     async def _handle_guarded(self, msg: Msg) -> None:
@@ -319,7 +324,7 @@ class WorkConsumer(Generic[TaskT]):
             log.exception("task.bus_error", stage=self.stage.value)
 
     async def _handle(self, msg: Msg) -> None:
-        MESSAGES_IN.labels(stage=self.stage.value).inc()
+        self._messages_in.inc()
         if _deliveries(msg) > 1:
             REDELIVERIES.labels(stage=self.stage.value).inc()
         try:
@@ -403,7 +408,7 @@ class WorkConsumer(Generic[TaskT]):
                 self._forget_reply(reply)
                 keep_alive.cancel()
                 await reply.close_background()
-                HANDLER_SECONDS.labels(stage=self.stage.value).observe(time.perf_counter() - started_s)
+                self._handler_seconds.observe(time.perf_counter() - started_s)
 
     async def _progress_of(self, msg: Msg, request_id: str) -> Progress | None:
         """A redelivered task's journal (None on first delivery: nothing can have been streamed)."""
@@ -496,7 +501,7 @@ class WorkConsumer(Generic[TaskT]):
 
     async def _ack(self, msg: Msg, outcome: str) -> None:
         await msg.ack()
-        MESSAGES_HANDLED.labels(stage=self.stage.value, outcome=outcome).inc()
+        (self._acked if outcome == "acked" else MESSAGES_HANDLED.labels(stage=self.stage.value, outcome=outcome)).inc()
 
 
 async def _first_of(*waits: Awaitable[object]) -> None:

@@ -134,6 +134,9 @@ class ProcessorStage:
         self._context: StageContext | None = None
         self._cards: list[WorkerCard] = []
         self._cards_at_s = 0.0
+        # The registry read under way, which every request that finds the view stale waits for (a burst of
+        # arrivals would otherwise read the whole registry once each).
+        self._cards_read: asyncio.Future[None] | None = None
         # When each (model, stage) was last seen with a ready worker.
         self._last_ready_s: dict[tuple[str, Stage], float] = {}
         self._ready_grace_s = 30.0
@@ -494,13 +497,23 @@ class ProcessorStage:
         return (REQUIRED_STAGES[mode] - {Stage.PROCESSOR}) - ready - recent
 
     async def _live_cards(self, max_age_s: float = _REGISTRY_REFRESH_S) -> list[WorkerCard]:
-        """The registry's cards, read again when the cached view is older than `max_age_s`."""
-        assert self._context is not None
+        """The registry's cards, read again when the cached view is older than `max_age_s`; requests that find it
+        stale together share one read."""
         if time.monotonic() - self._cards_at_s > max_age_s:
+            if self._cards_read is None:
+                self._cards_read = asyncio.ensure_future(self._read_cards())
+            # Shielded: a request cancelled while it waits does not cancel the read the others wait for.
+            await asyncio.shield(self._cards_read)
+        return self._cards
+
+    async def _read_cards(self) -> None:
+        assert self._context is not None
+        try:
             self._cards = await self._context.list_workers()
             self._cards_at_s = time.monotonic()
             self._remember_ready(self._cards)
-        return self._cards
+        finally:
+            self._cards_read = None
 
     def _remember_ready(self, cards: list[WorkerCard]) -> None:
         now_s = time.monotonic()
