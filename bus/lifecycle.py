@@ -65,9 +65,9 @@ def dies_with_parent(signum: signal.Signals = signal.SIGTERM) -> Callable[[], No
 
 def freeze_startup_objects() -> int:
     """Collect garbage, then take every object alive now (modules, the engine's tables, settings) out of the garbage
-    collector's view, for the life of the process; returns how many. Without it each full collection walks them all,
-    and a worker holding 200k+ objects pauses its event loop, frames and all, for tens of milliseconds
-    (docs/performance.md). Call once, after startup; SGLang recommends the same (its `freeze_gc`)."""
+    collector's view, for the life of the process; returns how many. Without it each full collection walks them all
+    while the event loop, frames and all, waits: ~227k objects in a mock-engine worker, millions with SGLang and
+    torch imported (docs/performance.md). Call once, after startup; SGLang advises the same (its `freeze_gc`)."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()

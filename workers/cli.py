@@ -251,7 +251,7 @@ def worker(
     coalesce_ms: Annotated[float, typer.Option(min=0.0, help="Merge a stream's tokens arriving within this window into one frame (fewer messages at high token rates).")] = 0.0,
     freeze_gc: Annotated[bool, typer.Option(help=(
         "Once ready, take the objects startup created out of the garbage collector's view, so that its full "
-        "collections do not pause the event loop (and every stream's tokens) for tens of milliseconds."))] = True,
+        "collections, which pause the event loop (and every stream's tokens), do not walk them again each time."))] = True,
     kv_events_interval_ms: Annotated[float, typer.Option(min=0.0, help=(
         "Publish the engine's KV-cache events this often at most: batches arriving within this window of each other "
         "go as one message (the torch engine emits one per step that fills a page; each publish costs the worker's event "
