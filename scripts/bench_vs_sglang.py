@@ -125,8 +125,7 @@ class Servers:
         self.spawn("decode", worker[:4] + ["decode"] + worker[4:] + ["--http-port", str(METRICS_PORTS["decode"])],
                    {**env, "CONVEYOR_SGLANG_MEM_FRACTION_STATIC": str(args.conveyor_mem_fraction),
                     "CONVEYOR_SGLANG_PAGE_SIZE": str(args.page_size),
-                    **({"CONVEYOR_SGLANG_EXTRA_SERVER_ARGS": json.dumps({"max_running_requests": args.max_running_requests})}
-                       if args.max_running_requests else {})})
+                    "CONVEYOR_SGLANG_EXTRA_SERVER_ARGS": json.dumps(extra_server_args(args))})
         url = f"http://127.0.0.1:{args.gateway_port}"
         self.spawn("gateway", [sys.executable, "-m", "workers.cli", "gateway", "--port", str(args.gateway_port),
                                "--host", "127.0.0.1", "--log-level", "WARNING"], env)
@@ -299,6 +298,15 @@ def bench_nats(args: argparse.Namespace, nats_url: str, namespace: str, concurre
             "median_ttft_ms": statistics.median(ttfts), "p99_ttft_ms": percentile(ttfts, 99),
             "median_itl_ms": statistics.median(itls) if itls else 0.0, "p99_itl_ms": percentile(itls, 99),
             "errors": sum(s["errors"] for s in samples)}
+
+
+def extra_server_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Conveyor's SGLang settings beyond its defaults: the caller's CONVEYOR_SGLANG_EXTRA_SERVER_ARGS (e.g. KV events
+    off), with the running-request limit added, never in place of them."""
+    extra = json.loads(os.environ.get("CONVEYOR_SGLANG_EXTRA_SERVER_ARGS") or "{}")
+    if args.max_running_requests:
+        extra["max_running_requests"] = args.max_running_requests
+    return extra
 
 
 def running_limit(args: argparse.Namespace) -> list[str]:
