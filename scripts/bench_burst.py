@@ -31,15 +31,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_pipeline import measure, pipeline_stream, wait_ready  # noqa: E402
+from bench_pipeline import measure, mock_env, pipeline_stream, spawn_workers, wait_ready  # noqa: E402
 
 from bus.client import PipelineClient, open_client  # noqa: E402
 from bus.server import EmbeddedNatsServer  # noqa: E402
 from bus.settings import BusSettings, NatsSettings  # noqa: E402
 from workers.cli import run_loop  # noqa: E402
 
-MOCK_ENV = {"CONVEYOR_MOCK_INTER_TOKEN_S": "0.01", "CONVEYOR_MOCK_TTFT_BASE_S": "0.005",
-            "CONVEYOR_MOCK_TTFT_PER_PROMPT_TOKEN_S": "0", "CONVEYOR_MOCK_MAX_RUNNING_REQUESTS": "256"}
 STAGES = ("processor", "decode")
 
 
@@ -57,11 +55,7 @@ class Checkout:
     ttft_ms: list[float] = field(default_factory=list)
 
     def spawn(self, nats_url: str) -> None:
-        env = {**os.environ, **MOCK_ENV, "CONVEYOR_NATS_URLS": nats_url, "CONVEYOR_NAMESPACE": self.name,
-               "PYTHONPATH": str(self.root)}
-        self.workers = [subprocess.Popen([sys.executable, "-m", "workers.cli", "worker", stage, "--engine", "mock",
-                                          "--log-level", "WARNING", "--max-concurrency", "128"], cwd=self.root, env=env)
-                        for stage in STAGES]
+        self.workers = spawn_workers(nats_url, self.name, mock_env(inter_token_ms=10), root=self.root)
 
     def cpu_now(self) -> dict[str, float]:
         """Each worker's user + system CPU seconds so far (Linux /proc)."""

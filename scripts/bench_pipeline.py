@@ -106,13 +106,21 @@ async def measure(concurrency: int, tokens: int, stream_once) -> RunResult:  # t
     return summarize(list(timings), time.perf_counter() - started)
 
 
+def mock_env(inter_token_ms: float) -> dict[str, str]:
+    """The mock engine of these benchmarks: 5 ms to the first token whatever the prompt, then `inter_token_ms`."""
+    return {"CONVEYOR_MOCK_INTER_TOKEN_S": str(inter_token_ms / 1000), "CONVEYOR_MOCK_TTFT_BASE_S": "0.005",
+            "CONVEYOR_MOCK_TTFT_PER_PROMPT_TOKEN_S": "0", "CONVEYOR_MOCK_MAX_RUNNING_REQUESTS": "256"}
+
+
 def spawn_workers(url: str, namespace: str, env_mock: dict[str, str],
-                  decode_args: tuple[str, ...] = (), worker_args: tuple[str, ...] = ()) -> list[subprocess.Popen[bytes]]:
+                  decode_args: tuple[str, ...] = (), worker_args: tuple[str, ...] = (),
+                  root: Path = ROOT) -> list[subprocess.Popen[bytes]]:
+    """A processor and a decode worker on the mock engine, from the checkout at `root`."""
     env = {**os.environ, **env_mock, "CONVEYOR_NATS_URLS": url, "CONVEYOR_NAMESPACE": namespace,
-           "PYTHONPATH": str(ROOT)}
+           "PYTHONPATH": str(root)}
     return [subprocess.Popen([sys.executable, "-m", "workers.cli", "worker", stage, "--engine", "mock",
                               "--log-level", "WARNING", "--max-concurrency", "128", *worker_args,
-                              *(decode_args if stage == "decode" else ())], cwd=ROOT, env=env)
+                              *(decode_args if stage == "decode" else ())], cwd=root, env=env)
             for stage in ("processor", "decode")]
 
 
@@ -125,8 +133,7 @@ VARIANTS: dict[str, dict[str, tuple[tuple[str, ...], tuple[str, ...]]]] = {
 
 async def side_by_side(what: str, levels: list[int], tokens: int, inter_token_ms: float, rounds: int) -> None:
     """Two pipelines on one server that differ in one setting (`VARIANTS`), rounds alternating between them."""
-    env_mock = {"CONVEYOR_MOCK_INTER_TOKEN_S": str(inter_token_ms / 1000), "CONVEYOR_MOCK_TTFT_BASE_S": "0.005",
-                "CONVEYOR_MOCK_TTFT_PER_PROMPT_TOKEN_S": "0", "CONVEYOR_MOCK_MAX_RUNNING_REQUESTS": "256"}
+    env_mock = mock_env(inter_token_ms)
     variants = VARIANTS[what]
     (first, second) = variants
     with EmbeddedNatsServer() as server:
@@ -174,22 +181,17 @@ async def side_by_side(what: str, levels: list[int], tokens: int, inter_token_ms
 async def gc_pauses(client) -> str:  # type: ignore[no-untyped-def]
     """What `conveyor_gc_pause_seconds` of the client's workers adds up to: collections, time, and how many took
     10 ms or more."""
-    collections = total_s = long = 0.0
+    collections = total_s = under_10_ms = 0.0
     for card in await client.live_workers():
         with urllib.request.urlopen(card.metrics_url, timeout=5) as response:
             text = response.read().decode()
-        for family in text_string_to_metric_families(text):
-            if family.name != "conveyor_gc_pause_seconds":
-                continue
-            for sample in family.samples:
-                if sample.name.endswith("_count"):
-                    collections += sample.value
-                elif sample.name.endswith("_sum"):
-                    total_s += sample.value
-                elif sample.name.endswith("_bucket") and sample.labels["le"] == "0.01":
-                    long -= sample.value  # those under 10 ms, taken off the count below
-            long += sum(s.value for s in family.samples if s.name.endswith("_count"))
-    return f"{collections:.0f} collections, {total_s * 1000:.0f} ms in all, {long:.0f} of 10 ms or more"
+        samples = [sample for family in text_string_to_metric_families(text)
+                   if family.name == "conveyor_gc_pause_seconds" for sample in family.samples]
+        collections += sum(s.value for s in samples if s.name.endswith("_count"))
+        total_s += sum(s.value for s in samples if s.name.endswith("_sum"))
+        under_10_ms += sum(s.value for s in samples if s.name.endswith("_bucket") and s.labels["le"] == "0.01")
+    return (f"{collections:.0f} collections, {total_s * 1000:.0f} ms in all, "
+            f"{collections - under_10_ms:.0f} of 10 ms or more")
 
 
 async def wait_ready(client) -> None:  # type: ignore[no-untyped-def]
@@ -203,8 +205,7 @@ async def wait_ready(client) -> None:  # type: ignore[no-untyped-def]
 async def main(levels: list[int], tokens: int, inter_token_ms: float, rounds: int) -> None:
     mock = MockEngineConfig(inter_token_s=inter_token_ms / 1000, ttft_base_s=0.005, ttft_per_prompt_token_s=0.0,
                             max_running_requests=256)
-    env_mock = {"CONVEYOR_MOCK_INTER_TOKEN_S": str(mock.inter_token_s), "CONVEYOR_MOCK_TTFT_BASE_S": str(mock.ttft_base_s),
-                "CONVEYOR_MOCK_TTFT_PER_PROMPT_TOKEN_S": "0", "CONVEYOR_MOCK_MAX_RUNNING_REQUESTS": "256"}
+    env_mock = mock_env(inter_token_ms)
     engine = MockEngine(mock)
     with EmbeddedNatsServer() as server:
         namespace = f"bench{uuid.uuid4().hex[:6]}"

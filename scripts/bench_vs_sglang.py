@@ -31,10 +31,10 @@ import signal
 import statistics
 import subprocess
 import sys
-import time
-import urllib.request
 import threading
+import time
 import traceback
+import urllib.request
 import uuid
 from collections import deque
 from pathlib import Path
