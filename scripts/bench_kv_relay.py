@@ -39,6 +39,7 @@ from workers.engines.events import relay_in_windows  # noqa: E402
 from workers.engines.protocol import KvEventBatchOut  # noqa: E402
 
 PAGE_TOKENS = 16
+NAMESPACE = "kvbench"
 
 
 def say(message: str) -> None:
@@ -73,7 +74,6 @@ async def one_run(url: str, namespace: str, batches_per_s: float, seconds: float
     nc = await connect(NatsSettings(urls=[url]), "kv-relay-bench")
     names = Names(namespace)
     js = nc.jetstream()
-    await declare_all(js, names, BusSettings(namespace=namespace), nc.max_payload)  # once; then already there
     publisher = KvEventPublisher(js, names, f"w{time.monotonic_ns()}")
     counts = {"batches": 0, "messages": 0}
     lateness_ms: list[float] = []
@@ -103,17 +103,24 @@ async def one_run(url: str, namespace: str, batches_per_s: float, seconds: float
     return Run(counts["batches"], counts["messages"], cpu_s * 1000 / wall_s, lateness_ms)
 
 
+async def declare_streams(url: str, namespace: str) -> None:
+    nc = await connect(NatsSettings(urls=[url]), "kv-relay-bench-setup")
+    await declare_all(nc.jetstream(), Names(namespace), BusSettings(namespace=namespace), nc.max_payload)
+    await nc.close()
+
+
 async def main(args: argparse.Namespace) -> None:
     with EmbeddedNatsServer() as server:
+        await declare_streams(server.url, NAMESPACE)
         for rate in args.batches_per_s:
             say(f"{rate:g} batches/s for {args.seconds:g} s, windows {args.interval_ms} ms, {args.rounds} rounds")
             runs: dict[float, list[Run]] = {interval: [] for interval in args.interval_ms}
             floor: list[Run] = []
             for round_index in range(args.rounds):
-                floor.append(await one_run(server.url, "kvbench", rate, args.seconds, 0.0, store=False))
+                floor.append(await one_run(server.url, NAMESPACE, rate, args.seconds, 0.0, store=False))
                 order = args.interval_ms if round_index % 2 == 0 else list(reversed(args.interval_ms))
                 for interval_ms in order:
-                    runs[interval_ms].append(await one_run(server.url, "kvbench", rate, args.seconds, interval_ms / 1000))
+                    runs[interval_ms].append(await one_run(server.url, NAMESPACE, rate, args.seconds, interval_ms / 1000))
             floor_ms = statistics.median(r.cpu_ms_per_s for r in floor)
             base = statistics.median(r.cpu_ms_per_s for r in runs[args.interval_ms[0]]) - floor_ms
             print(f"\n{rate:g} engine batches/s; median of {args.rounds} rounds; CPU of this process per second of run "
