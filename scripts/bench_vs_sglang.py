@@ -15,7 +15,9 @@ to $OUT (or --out).
     bash scripts/gpu_run.sh python3 scripts/bench_vs_sglang.py --model .gpu/smol --concurrency 1 16 64 128 256
 
 `nats-client` (a NATS client process), `bench-once` (the profiled load) and `serving-loop` (bench_serving kept
-running between runs, `--persistent-client`) are modes the benchmark runs itself in.
+running between runs, `--persistent-client`) are modes the benchmark runs itself in. `conveyor` starts the Conveyor
+stack alone and keeps it until stopped, so that several device calls measure one warm stack (`--conveyor-url`),
+as `--sglang-url` does for a server started by hand.
 """
 
 from __future__ import annotations
@@ -478,6 +480,8 @@ def warm_up(args: argparse.Namespace, client: ServingClient, urls: dict[str, str
 
 
 def interrupt(signum: int, frame: Any) -> None:
+    # Once: a second SIGTERM (e.g. `timeout` and `pkill` both sending one) must not cut the orderly stop short.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt(f"signal {signum}")
 
 
@@ -520,7 +524,7 @@ def run(args: argparse.Namespace) -> None:
     started = time.monotonic()
     try:
         urls = {"sglang": args.sglang_url or servers.start_sglang()}
-        urls["conveyor"] = servers.start_conveyor()
+        urls["conveyor"] = args.conveyor_url or servers.start_conveyor()
         report["start_s"] = round(time.monotonic() - started, 1)
         if args.warmup:
             warm_up(args, client, urls, logs)
@@ -534,7 +538,7 @@ def run(args: argparse.Namespace) -> None:
                     runs.setdefault(system, []).append(row)
                     say(f"c={level} round {round_index + 1} {system}: {row['output_throughput']:.0f} tok/s, "
                         f"TTFT p50 {row['median_ttft_ms']:.1f} ms, ITL p50 {row['median_itl_ms']:.2f} ms")
-                if args.nats_clients:
+                if args.nats_clients and not args.conveyor_url:
                     row = bench_nats(args, servers.nats_url, servers.namespace, level, seed)
                     runs.setdefault("conveyor-nats", []).append(row)
                     say(f"c={level} round {round_index + 1} conveyor-nats: {row['output_throughput']:.0f} tok/s, "
@@ -542,7 +546,7 @@ def run(args: argparse.Namespace) -> None:
             report["levels"][level] = {system: median_row(rows) for system, rows in runs.items()}
             report["levels"][level]["rounds"] = runs
             (out_dir / "bench-vs-sglang.json").write_text(json.dumps(report, indent=1))
-            if level == args.profile_concurrency:
+            if level == args.profile_concurrency and not args.conveyor_url:
                 report["profile"] = profile(args, servers, urls["conveyor"], out_dir)
                 summary = {key: value for key, value in report["profile"].items() if key != "decode_samples"}
                 say(f"profiled run: {summary}")
@@ -556,9 +560,28 @@ def run(args: argparse.Namespace) -> None:
         (out_dir / "server-log-tails.json").write_text(json.dumps(tails, indent=1))
 
 
+def hold_conveyor(args: argparse.Namespace) -> None:
+    """`conveyor` mode: the Conveyor stack of a benchmark run, started and held until SIGTERM or Ctrl-C."""
+    signal.signal(signal.SIGTERM, interrupt)
+    logs = Path(args.out or os.environ.get("TMPDIR", "/tmp")) / "bench-vs-sglang-conveyor"
+    logs.mkdir(parents=True, exist_ok=True)
+    servers = Servers(args, logs)
+    try:
+        url = servers.start_conveyor()
+        say(f"conveyor ready at {url} (logs in {logs}; decode metrics on :{METRICS_PORTS['decode']}); "
+            "stop with SIGTERM")
+        while all(process.poll() is None for process in servers.processes.values()):
+            time.sleep(1)
+        say("a Conveyor process exited; stopping the rest")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        servers.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", nargs="?", choices=["bench", "nats-client", "bench-once", "serving-loop"], default="bench")
+    parser.add_argument("mode", nargs="?", choices=["bench", "nats-client", "bench-once", "serving-loop", "conveyor"], default="bench")
     parser.add_argument("--model", required=True, help="Model directory (config + tokenizer; weights are dummy).")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 128, 256])
     parser.add_argument("--rounds", type=int, default=2, help="Rounds per concurrency; the median is kept.")
@@ -591,6 +614,8 @@ def main() -> None:
     parser.add_argument("--worker-concurrency", type=int, default=512, help="Tasks each Conveyor worker holds at once.")
     parser.add_argument("--sglang-port", type=int, default=30000)
     parser.add_argument("--sglang-url", help="An SGLang server already running (started by hand: see docs/gpu.md).")
+    parser.add_argument("--conveyor-url", help="A Conveyor gateway already running (this script's `conveyor` mode); "
+                        "no NATS clients or profile then.")
     parser.add_argument("--engine", default="sglang", help="Conveyor's engine (mock: check the harness without a GPU).")
     parser.add_argument("--gateway-port", type=int, default=8000)
     parser.add_argument("--nats-port", type=int, default=4222)
@@ -611,6 +636,8 @@ def main() -> None:
         row = bench_http(args, ServingClient(args), args.base_url, args.concurrency[0], 7,
                          Path(args.out) / "profile-run.jsonl")
         print(json.dumps(row))
+    elif args.mode == "conveyor":
+        hold_conveyor(args)
     elif args.mode == "nats-client":
         args.concurrency = args.concurrency[0]
         asyncio.run(nats_client(args))
