@@ -36,7 +36,8 @@ REQUESTS = Counter("conveyor_requests_total", "Requests finished, by outcome", [
 TIME_TO_FIRST_TOKEN = Histogram("conveyor_time_to_first_token_seconds", "Request entering the pipeline to first token",
                                 ["model"], buckets=_LATENCY_BUCKETS)
 INTER_TOKEN_LATENCY = Histogram("conveyor_inter_token_latency_seconds", "Time between streamed tokens", ["model"],
-                                buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1))
+                                buckets=(0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
+                                         0.25, 0.5, 1))
 END_TO_END = Histogram("conveyor_request_seconds", "Request entering the pipeline to its final frame", ["model"],
                        buckets=_LATENCY_BUCKETS)
 QUEUE_SECONDS = Histogram("conveyor_queue_seconds", "Time a task waited in its work stream", ["stage"],

@@ -136,7 +136,19 @@ class Servers:
         return url
 
     def pid(self, name: str) -> int:
-        return self.processes[name].pid
+        """A Conveyor process's pid: one this run started, else (`--conveyor-url`) the one whose command line
+        runs that stage (`conveyor` mode started it)."""
+        if name in self.processes:
+            return self.processes[name].pid
+        words = ["workers.cli", "gateway"] if name == "gateway" else ["workers.cli", "worker", name]
+        for entry in Path("/proc").iterdir():
+            try:
+                argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            if entry.name.isdigit() and all(word in argv for word in words):
+                return int(entry.name)
+        raise RuntimeError(f"no running Conveyor {name} process found")
 
     def stop(self) -> None:
         """Clients of the bus first (gateway, processor, decode), the nats-server once they are gone."""
@@ -383,6 +395,41 @@ def scrape(name: str) -> dict[str, float]:
     return values
 
 
+ITL_SERIES = "conveyor_inter_token_latency_seconds_bucket"
+
+
+def itl_buckets() -> dict[float, float]:
+    """The decode worker's inter-token histogram, {upper bound s: cumulative count}: the gaps as the worker saw them
+    leave the engine, before the bus and the gateway."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORTS['decode']}/metrics", timeout=2) as response:
+            text = response.read().decode()
+    except OSError:
+        return {}
+    buckets: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith(ITL_SERIES):
+            bound = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets[float(bound)] = buckets.get(float(bound), 0.0) + float(line.rpartition(" ")[2])
+    return buckets
+
+
+def bucket_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float | None:
+    """The q-quantile (ms) of the observations between two scrapes, interpolated within its bucket."""
+    counts = sorted((bound, after[bound] - before.get(bound, 0.0)) for bound in after)
+    if not counts or counts[-1][1] <= 0:
+        return None
+    rank = q * counts[-1][1]
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in counts:
+        if count >= rank:
+            if bound == float("inf"):
+                return lower_bound * 1000
+            return (lower_bound + (bound - lower_bound) * (rank - lower_count) / max(count - lower_count, 1e-9)) * 1000
+        lower_bound, lower_count = bound, count
+    return None
+
+
 def probe(name: str) -> dict[str, float]:
     values = scrape(name)
     return {key: value for key, value in values.items() if key.startswith(PROBED)}
@@ -443,7 +490,9 @@ def profile(args: argparse.Namespace, servers: Servers, conveyor_url: str, out_d
 
 
 def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    return sorted(rows, key=lambda r: r["output_throughput"])[len(rows) // 2]
+    """Each measure's median over the rounds (a tail latency is not taken from the round of the median tok/s)."""
+    return {key: statistics.median(row[key] for row in rows) for key in rows[0]
+            if all(isinstance(row.get(key), (int, float)) for row in rows)}
 
 
 def print_table(report: dict[str, Any]) -> None:
@@ -466,6 +515,9 @@ def print_table(report: dict[str, Any]) -> None:
             print(f"{level:>4} | {system:<13} | {row['output_throughput']:>6.0f} | {row['median_ttft_ms']:>7.1f} / "
                   f"{row['p99_ttft_ms']:>7.1f} | {row['median_itl_ms']:>6.2f} / {row.get('p99_itl_ms', 0):>6.2f} | "
                   f"{ratio} | {by_round}")
+        if "decode_p99_itl_ms" in by_system.get("conveyor", {}):
+            print(f"{level:>4} | ITL p99 as the decode worker saw tokens leave the engine (before the bus): "
+                  f"{by_system['conveyor']['decode_p99_itl_ms']:.2f} ms")
     print(flush=True)
 
 
@@ -534,10 +586,15 @@ def run(args: argparse.Namespace) -> None:
                 order = ["sglang", "conveyor"] if round_index % 2 == 0 else ["conveyor", "sglang"]
                 seed = 100 * level + round_index
                 for system in order:
+                    before = itl_buckets() if system == "conveyor" else {}
                     row = bench_http(args, client, urls[system], level, seed, logs / f"{system}.jsonl")
+                    if before and (worker_p99 := bucket_quantile(before, itl_buckets(), 0.99)) is not None:
+                        row["decode_p99_itl_ms"] = worker_p99
                     runs.setdefault(system, []).append(row)
+                    worker = f" (decode worker's own {row['decode_p99_itl_ms']:.1f})" if "decode_p99_itl_ms" in row else ""
                     say(f"c={level} round {round_index + 1} {system}: {row['output_throughput']:.0f} tok/s, "
-                        f"TTFT p50 {row['median_ttft_ms']:.1f} ms, ITL p50 {row['median_itl_ms']:.2f} ms")
+                        f"TTFT p50 {row['median_ttft_ms']:.1f} ms, ITL p50 {row['median_itl_ms']:.2f} ms, "
+                        f"ITL p99 {row.get('p99_itl_ms', 0):.1f} ms{worker}")
                 if args.nats_clients and not args.conveyor_url:
                     row = bench_nats(args, servers.nats_url, servers.namespace, level, seed)
                     runs.setdefault("conveyor-nats", []).append(row)
@@ -546,7 +603,7 @@ def run(args: argparse.Namespace) -> None:
             report["levels"][level] = {system: median_row(rows) for system, rows in runs.items()}
             report["levels"][level]["rounds"] = runs
             (out_dir / "bench-vs-sglang.json").write_text(json.dumps(report, indent=1))
-            if level == args.profile_concurrency and not args.conveyor_url:
+            if level == args.profile_concurrency:
                 report["profile"] = profile(args, servers, urls["conveyor"], out_dir)
                 summary = {key: value for key, value in report["profile"].items() if key != "decode_samples"}
                 say(f"profiled run: {summary}")
@@ -614,8 +671,8 @@ def main() -> None:
     parser.add_argument("--worker-concurrency", type=int, default=512, help="Tasks each Conveyor worker holds at once.")
     parser.add_argument("--sglang-port", type=int, default=30000)
     parser.add_argument("--sglang-url", help="An SGLang server already running (started by hand: see docs/gpu.md).")
-    parser.add_argument("--conveyor-url", help="A Conveyor gateway already running (this script's `conveyor` mode); "
-                        "no NATS clients or profile then.")
+    parser.add_argument("--conveyor-url", help="A Conveyor gateway already running (this script's `conveyor` mode, on this "
+                        "machine: the profile finds its processes); no NATS clients then.")
     parser.add_argument("--engine", default="sglang", help="Conveyor's engine (mock: check the harness without a GPU).")
     parser.add_argument("--gateway-port", type=int, default=8000)
     parser.add_argument("--nats-port", type=int, default=4222)
