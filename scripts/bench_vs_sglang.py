@@ -515,6 +515,12 @@ def print_table(report: dict[str, Any]) -> None:
             print(f"{level:>4} | {system:<13} | {row['output_throughput']:>6.0f} | {row['median_ttft_ms']:>7.1f} / "
                   f"{row['p99_ttft_ms']:>7.1f} | {row['median_itl_ms']:>6.2f} / {row.get('p99_itl_ms', 0):>6.2f} | "
                   f"{ratio} | {by_round}")
+        rounds = by_system.get("rounds", {})
+        if rounds.get("conveyor") and rounds.get("sglang"):
+            added = [mine["median_ttft_ms"] - theirs["median_ttft_ms"]
+                     for mine, theirs in zip(rounds["conveyor"], rounds["sglang"])]
+            print(f"{level:>4} | TTFT p50 added by Conveyor, median over rounds of each round's difference: "
+                  f"{statistics.median(added):+.1f} ms (rounds: {', '.join(f'{value:+.1f}' for value in added)})")
         if "decode_p99_itl_ms" in by_system.get("conveyor", {}):
             print(f"{level:>4} | ITL p99 as the decode worker saw tokens leave the engine (before the bus): "
                   f"{by_system['conveyor']['decode_p99_itl_ms']:.2f} ms")
