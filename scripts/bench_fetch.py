@@ -7,6 +7,7 @@ fetch (a backlog). This runs both patterns side by side against one embedded nat
 tasks at random gaps (50–500 ms: an idle stage), and prints delivery latency percentiles and the slow deliveries.
 
     .venv/bin/python scripts/bench_fetch.py --tasks 100 --rounds 3
+    .venv/bin/python scripts/bench_fetch.py --tasks 100 --rounds 3 --floor   # + push consumer, core NATS
 """
 
 from __future__ import annotations
@@ -21,45 +22,70 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import nats  # noqa: E402
+from nats.aio.msg import Msg  # noqa: E402
 from nats.errors import TimeoutError as NatsTimeoutError  # noqa: E402
+from nats.js.api import AckPolicy, ConsumerConfig  # noqa: E402
 
 from bus.server import EmbeddedNatsServer  # noqa: E402
 
 SLOW_MS = 5.0
 
 
-async def deliveries_ms(url: str, name: str, adaptive: bool, num_tasks: int, seed: int) -> list[float]:
-    nc = await nats.connect(url)
+async def deliveries_ms(url: str, name: str, pattern: str, num_tasks: int, seed: int) -> list[float]:
+    """Publish → received latencies of single tasks at random gaps, for one delivery pattern: `pull of 8`,
+    `conveyor` (a pull of one while idle, bus/consumer.py), `push` (a JetStream push consumer shared by a queue group)
+    or `core` (a core-NATS queue subscription: no stream, the floor of a hop)."""
+    nc = await nats.connect(url)  # the worker's connection
+    publisher = await nats.connect(url)
     js = nc.jetstream()
     await js.add_stream(name=name, subjects=[f"{name}.>"])
-    subscription = await js.pull_subscribe(f"{name}.task", durable="worker")
     received: list[float] = []
+    puller: asyncio.Task[None] | None = None
 
-    async def pull() -> None:
-        batch = 1 if adaptive else 8
-        while True:
-            try:
-                msgs = await subscription.fetch(batch=batch, timeout=1.0)
-            except (TimeoutError, NatsTimeoutError):
-                msgs = []
-            for msg in msgs:
-                received.append(time.perf_counter())
-                await msg.ack()
-            if adaptive:
-                batch = 8 if msgs and len(msgs) == batch else 1
+    async def take(msg: Msg) -> None:
+        received.append(time.perf_counter())
+        if pattern != "core":
+            await msg.ack()
 
-    puller = asyncio.create_task(pull())
+    if pattern == "push":
+        await js.subscribe(f"{name}.task", queue="workers", durable="workers", cb=take, manual_ack=True,
+                           config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, max_ack_pending=64))
+    elif pattern == "core":
+        await nc.subscribe(f"{name}.core", queue="workers", cb=take)
+    else:
+        subscription = await js.pull_subscribe(f"{name}.task", durable="worker")
+        adaptive = pattern == "conveyor"
+
+        async def pull() -> None:
+            batch = 1 if adaptive else 8
+            while True:
+                try:
+                    msgs = await subscription.fetch(batch=batch, timeout=1.0)
+                except (TimeoutError, NatsTimeoutError):
+                    msgs = []
+                for msg in msgs:
+                    await take(msg)
+                if adaptive:
+                    batch = 8 if msgs and len(msgs) == batch else 1
+
+        puller = asyncio.create_task(pull())
     await asyncio.sleep(1.5)
     rng, latencies = random.Random(seed), []
     for index in range(num_tasks):
         await asyncio.sleep(rng.uniform(0.05, 0.5))
         sent = time.perf_counter()
-        await js.publish(f"{name}.task", b"task")
+        if pattern == "core":
+            await publisher.publish(f"{name}.core", b"task")
+            await publisher.flush()
+        else:
+            await publisher.jetstream().publish(f"{name}.task", b"task")
         while len(received) <= index:
-            await asyncio.sleep(0.0005)
+            await asyncio.sleep(0.0002)
         latencies.append((received[index] - sent) * 1000)
-    puller.cancel()
-    await asyncio.gather(puller, return_exceptions=True)
+    if puller is not None:
+        puller.cancel()
+        await asyncio.gather(puller, return_exceptions=True)
+    await publisher.close()
     await nc.close()
     return latencies
 
@@ -72,17 +98,17 @@ def summary(latencies: list[float]) -> str:
 
 
 async def main(args: argparse.Namespace) -> None:
-    results: dict[str, list[float]] = {"pull of 8": [], "conveyor": []}
+    patterns = ["pull of 8", "conveyor"] + (["push", "core"] if args.floor else [])
+    results: dict[str, list[float]] = {pattern: [] for pattern in patterns}
     with EmbeddedNatsServer() as server:
         for round_index in range(args.rounds):
-            # Both at once, on separate streams: the same machine noise for each.
-            eight, ours = await asyncio.gather(
-                deliveries_ms(server.url, f"eight{round_index}", False, args.tasks, round_index),
-                deliveries_ms(server.url, f"ours{round_index}", True, args.tasks, round_index))
-            results["pull of 8"] += eight
-            results["conveyor"] += ours
-            print(f"round {round_index + 1}: pull of 8: {summary(eight)}", file=sys.stderr)
-            print(f"round {round_index + 1}: conveyor:  {summary(ours)}", file=sys.stderr)
+            # All at once, on separate streams (the same machine noise for each), at gaps of their own.
+            rounds = await asyncio.gather(*(
+                deliveries_ms(server.url, f"p{index}r{round_index}", pattern, args.tasks, 100 * round_index + index)
+                for index, pattern in enumerate(patterns)))
+            for pattern, latencies in zip(patterns, rounds):
+                results[pattern] += latencies
+                print(f"round {round_index + 1}: {pattern:<10} {summary(latencies)}", file=sys.stderr)
     print(f"\nidle-stage delivery, {args.rounds} × {args.tasks} tasks, publish → in the worker's hands")
     for name, latencies in results.items():
         print(f"{name:<10} {summary(latencies)}")
@@ -92,4 +118,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--floor", action="store_true",
+                        help="also a JetStream push consumer and a core-NATS queue subscription (no stream)")
     asyncio.run(main(parser.parse_args()))
