@@ -45,6 +45,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
 from workers.launcher import stop_processes  # noqa: E402
 
 
@@ -380,37 +382,35 @@ METRICS_PORTS = {"processor": 9101, "decode": 9102}
 PROBED = ("conveyor_in_flight{stage=\"decode\"}", "conveyor_engine_running_requests", "conveyor_engine_waiting_requests")
 
 
-def scrape(name: str) -> dict[str, float]:
-    """A worker's /metrics as {series: value} (histogram buckets left out)."""
+def metrics_text(name: str) -> str:
+    """A worker's /metrics page ("" when it does not answer)."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORTS[name]}/metrics", timeout=2) as response:
-            text = response.read().decode()
+            return response.read().decode()
     except OSError:
-        return {}
+        return ""
+
+
+def scrape(name: str) -> dict[str, float]:
+    """A worker's /metrics as {series: value} (histogram buckets left out)."""
     values = {}
-    for line in text.splitlines():
+    for line in metrics_text(name).splitlines():
         if line and not line.startswith("#") and "_bucket{" not in line:
             series, _, value = line.rpartition(" ")
             values[series] = float(value)
     return values
 
 
-ITL_SERIES = "conveyor_inter_token_latency_seconds_bucket"
-
-
 def itl_buckets() -> dict[float, float]:
     """The decode worker's inter-token histogram, {upper bound s: cumulative count}: the gaps as the worker saw them
     leave the engine, before the bus and the gateway."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORTS['decode']}/metrics", timeout=2) as response:
-            text = response.read().decode()
-    except OSError:
-        return {}
     buckets: dict[float, float] = {}
-    for line in text.splitlines():
-        if line.startswith(ITL_SERIES):
-            bound = line.split('le="', 1)[1].split('"', 1)[0]
-            buckets[float(bound)] = buckets.get(float(bound), 0.0) + float(line.rpartition(" ")[2])
+    for family in text_string_to_metric_families(metrics_text("decode")):
+        if family.name == "conveyor_inter_token_latency_seconds":
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    bound = float(sample.labels["le"])
+                    buckets[bound] = buckets.get(bound, 0.0) + sample.value
     return buckets
 
 
