@@ -206,6 +206,19 @@ async def test_kv_events_of_a_request_name_the_blocks_the_engine_stored(bus: Bus
     assert [b.seq for b in batches] == list(range(len(batches)))
 
 
+async def test_a_worker_with_kv_events_off_serves_and_publishes_none(bus: Bus) -> None:
+    async with running_workers(bus, [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, mock_decode(inter_token_s=0.001))],
+                               kv_events=False) as workers:
+        client = client_of(bus)
+        async with await client.submit(completion(client, list(range(100, 164)), max_tokens=2)) as stream:
+            _, final = await stream.collect()
+        await asyncio.sleep(0.1)  # past the relay's window, were it running
+        stream_info = await bus.js.stream_info(bus.names.kv_events_stream)
+    assert isinstance(final, FinalFrame) and final.usage.completion_tokens == 2
+    assert workers[1].runtime.options.kv_events is False
+    assert stream_info.state.messages == 0
+
+
 async def test_kv_event_batches_arriving_together_are_published_as_one_message(bus: Bus) -> None:
     # Eight prompts 25 ms apart: the engine emits a batch per prompt; within the relay's 300 ms window they go as
     # one or two messages (without it, one each).

@@ -252,6 +252,11 @@ def worker(
     freeze_gc: Annotated[bool, typer.Option(help=(
         "Once ready, take the objects startup created out of the garbage collector's view, so that its full "
         "collections, which pause the event loop (and every stream's tokens), do not walk them again each time."))] = True,
+    kv_events: Annotated[bool, typer.Option("--kv-events/--no-kv-events", envvar="CONVEYOR_KV_EVENTS", help=(
+        "Prefill and decode: publish the engine's KV-cache changes to the KV-events stream, which a processor's "
+        "--router kv indexes to send prompts where their prefix is cached. Off: a kv router finds nothing cached "
+        "here and weighs this worker by its load alone; SGLang then records no events, which on the H100 took "
+        "~5 ms off the first token at one stream (docs/performance.md)."))] = True,
     kv_events_interval_ms: Annotated[float, typer.Option(min=0.0, help=(
         "Publish the engine's KV-cache events this often at most: batches arriving within this window of each other "
         "go as one message (the torch engine emits one per step that fills a page; each publish costs the worker's event "
@@ -334,13 +339,14 @@ def worker(
                         MigrationPolicy(migration_limit, migration_max_seq_len),
                         RouterOptions(RouterMode(router), router_overlap_weight, router_temperature,
                                       local_prefill_max_tokens, prefill_busy_tokens),
-                        image_storage=storage, pools=pools_config)
+                        image_storage=storage, pools=pools_config, kv_events=kv_events)
     options = WorkerOptions(
         stage=stage_kind, model=models[0], also_serves=tuple(models[1:]), mode=serving_mode,
         engine_name=engine_kind.value, http_host=http_host,
         http_port=http_port, max_concurrency=max_concurrency or _DEFAULT_CONCURRENCY.get(stage_kind, 32),
         shutdown_grace_s=shutdown_grace_s,
-        coalesce_window_s=coalesce_ms / 1000, kv_events_interval_s=kv_events_interval_ms / 1000, pool=pool,
+        coalesce_window_s=coalesce_ms / 1000, kv_events=kv_events, kv_events_interval_s=kv_events_interval_ms / 1000,
+        pool=pool,
     )
     run_loop(run_in_own_process(WorkerRuntime(built, options, nats_settings, bus_settings), freeze_gc))
 

@@ -73,6 +73,8 @@ class WorkerOptions:
     # How often the canary re-checks the engine while the worker runs.
     canary_interval_s: float = 30.0
     coalesce_window_s: float = 0.0
+    # Publish the engine's KV events to the KV-events stream (what a `--router kv` processor indexes).
+    kv_events: bool = True
     # KV-event batches arriving within this long of each other are published as one message.
     kv_events_interval_s: float = 0.005
     # A processor's other models (written in its card, so each counts as served).
@@ -379,8 +381,9 @@ class WorkerRuntime:
         engine = self._stage.engine
         self._background.append(asyncio.create_task(self._refresh_loop(), name="refresh"))
         if engine is not None:
-            publisher = KvEventPublisher(js, self._names, self.options.worker_id)
-            self._background.append(asyncio.create_task(self._relay_kv_events(engine, publisher), name="kv-events"))
+            if self.options.kv_events:
+                publisher = KvEventPublisher(js, self._names, self.options.worker_id)
+                self._background.append(asyncio.create_task(self._relay_kv_events(engine, publisher), name="kv-events"))
             self._background.append(asyncio.create_task(self._canary_loop(), name="canary"))
             self._background.append(asyncio.create_task(self._report_load(engine, nc), name="load"))
 

@@ -28,7 +28,8 @@ MOCK_CONTEXT_LENGTH = 8192
 
 def build_stage(stage: Stage, kind: EngineKind, models: list[str], mode: ServingMode, load_format: str,
                 migration: MigrationPolicy | None = None, router: RouterOptions = RouterOptions(),
-                image_storage: ImageStorage | None = None, pools: PoolsConfig | None = None) -> PipelineStage:
+                image_storage: ImageStorage | None = None, pools: PoolsConfig | None = None,
+                kv_events: bool = True) -> PipelineStage:
     if stage == Stage.PROCESSOR:
         # Image requests need no model here (the image workers' pipelines tokenize their own prompts).
         return ProcessorStage({name: served_model(kind, name) for name in models if not is_image_model(name)}, router,
@@ -43,7 +44,7 @@ def build_stage(stage: Stage, kind: EngineKind, models: list[str], mode: Serving
     if stage == Stage.IMAGE:
         return image_stage(kind, model, image_storage or default_image_storage())
     if stage == Stage.PREFILL:
-        return PrefillStage(create_engine(kind, model, DisaggregationRole.PREFILL, load_format), model,
+        return PrefillStage(create_engine(kind, model, DisaggregationRole.PREFILL, load_format, kv_events), model,
                             _image_inputs(kind, model, Stage.PREFILL))
     if stage == Stage.DECODE:
         disaggregated = mode in (ServingMode.DISAGGREGATED, ServingMode.ENCODE_DISAGGREGATED)
@@ -51,7 +52,7 @@ def build_stage(stage: Stage, kind: EngineKind, models: list[str], mode: Serving
         # Disaggregated, the images come as the prompt's KV; the vision path is for a prompt this engine runs
         # itself (its prefill worker died, or the request migrated here).
         images = _image_inputs(kind, model, Stage.DECODE)
-        return DecodeStage(create_engine(kind, model, role, load_format), model, images, migration or MigrationPolicy())
+        return DecodeStage(create_engine(kind, model, role, load_format, kv_events), model, images, migration or MigrationPolicy())
     raise ValueError(f"the {stage.value} stage is not built yet (see the README's status table)")
 
 

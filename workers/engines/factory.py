@@ -35,8 +35,9 @@ class EngineKind(StrEnum):
 
 
 def create_engine(kind: EngineKind, model: str | None, role: DisaggregationRole = DisaggregationRole.NONE,
-                  load_format: str = "auto") -> Engine:
-    """An engine that is not started yet; `await engine.start()` loads it."""
+                  load_format: str = "auto", kv_events: bool = True) -> Engine:
+    """An engine that is not started yet; `await engine.start()` loads it. `kv_events=False`: SGLang records no KV
+    events at all (the torch and mock engines keep theirs internal; the worker publishes none either way)."""
     if kind == EngineKind.TORCH:
         from workers.engines.torch_engine.diffusion_lm import DiffusionLMEngine, is_diffusion_model
         from workers.engines.torch_engine.engine import TorchEngine, TorchEngineConfig
@@ -58,7 +59,7 @@ def create_engine(kind: EngineKind, model: str | None, role: DisaggregationRole 
 
     if model is None:
         raise ValueError("the sglang engine needs --model: a local Hugging Face directory")
-    return SGLangEngine(SGLangEngineConfig(model_path=model, role=role, load_format=load_format))
+    return SGLangEngine(SGLangEngineConfig(model_path=model, role=role, load_format=load_format, kv_events=kv_events))
 
 
 class ByteTokenizer:

@@ -99,7 +99,10 @@ class SGLangEngineConfig(BaseSettings):
     # routable address (or 0.0.0.0) when prefill and decode run on different machines.
     bootstrap_host: str = "127.0.0.1"
     transfer_backend: str = "nixl"
-    # ZMQ endpoint SGLang publishes KV events on (0 picks a free local port).
+    # KV events: SGLang records its cache's changes and publishes them on a ZMQ endpoint (0 picks a free local port)
+    # for the relay. Off (`conveyor worker --no-kv-events`): none are recorded; at one stream on the H100 they added
+    # ~5 ms to the first token (docs/performance.md).
+    kv_events: bool = True
     kv_events_port: int = 0
     enable_memory_saver: bool = False
     # LoRA adapters, loaded at run time (`conveyor lora load`): SGLang sizes its adapter pool at start, so the
@@ -151,14 +154,14 @@ def server_args(config: SGLangEngineConfig, kv_events_port: int, bootstrap_port:
         "incremental_streaming_output": True,
         "stream_interval": config.stream_interval,
         "enable_metrics": config.enable_metrics,
-        # SGLang's publisher binds only to wildcard endpoints and *connects* to any other; our relay
-        # connects, so SGLang must bind: "*" (found on the H100: with 127.0.0.1 no event arrived).
-        "kv_events_config": json.dumps(
-            {"publisher": "zmq", "endpoint": f"tcp://*:{kv_events_port}", "topic": "kv-events"}
-        ),
         "enable_memory_saver": config.enable_memory_saver,
         "log_level": "warning",
     }
+    if config.kv_events:
+        # SGLang's publisher binds only to wildcard endpoints and *connects* to any other; our relay
+        # connects, so SGLang must bind: "*" (found on the H100: with 127.0.0.1 no event arrived).
+        args["kv_events_config"] = json.dumps(
+            {"publisher": "zmq", "endpoint": f"tcp://*:{kv_events_port}", "topic": "kv-events"})
     optional = {
         "page_size": config.page_size,
         "mem_fraction_static": config.mem_fraction_static,
@@ -524,8 +527,9 @@ class SGLangEngine:
         if self.config.role == DisaggregationRole.PREFILL:
             advertised = advertised_host(self.config.bootstrap_host)
             self._bootstrap = BootstrapEndpoint(host=advertised, port=bootstrap_port)
-        self._relay = KvEventRelay(f"tcp://127.0.0.1:{kv_port}")
-        await self._relay.start()
+        if self.config.kv_events:
+            self._relay = KvEventRelay(f"tcp://127.0.0.1:{kv_port}")
+            await self._relay.start()
         self._load_task = asyncio.create_task(self._refresh_load())
 
     async def _max_running_requests(self) -> int | None:
@@ -642,7 +646,8 @@ class SGLangEngine:
             await asyncio.sleep(1.0)
 
     def kv_events(self) -> AsyncIterator[KvEventBatchOut]:
-        assert self._relay is not None
+        if self._relay is None:
+            raise RuntimeError("this engine records no KV events (kv_events=False): run its worker with --no-kv-events")
         return self._relay.batches.listen()
 
     @property
