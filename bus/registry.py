@@ -82,7 +82,9 @@ class Registration:
     async def _refresh_loop(self) -> None:
         while not await sleep_unless(self._closing, self._refresh_s):
             try:
-                await self._write()
+                # One beat at most: a put to a stream that lost its leader waits the client's whole
+                # timeout (5 s, more than the TTL), and the card must be back as soon as a leader is.
+                await asyncio.wait_for(self._write(), timeout=self._refresh_s)
             except Exception as error:  # NATS briefly away: the next beat tries again
                 log.warning("registry.refresh_failed", error=repr(error))
 

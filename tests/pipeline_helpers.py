@@ -160,8 +160,10 @@ async def worker_processes(urls: list[str], namespace: str, stages: list[str], e
     environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CONVEYOR_NAMESPACE": namespace,
                    "CONVEYOR_NATS_URLS": ",".join(urls), "CONVEYOR_REGISTRY_TTL_S": "3",
                    "CONVEYOR_MOCK_INTER_TOKEN_S": "0.01", **env}
+    # CONVEYOR_TEST_WORKER_LOG_LEVEL=INFO (with pytest -s) shows what each worker did, to read a failure.
+    log_level = os.environ.get("CONVEYOR_TEST_WORKER_LOG_LEVEL", "WARNING")
     workers = [subprocess.Popen([sys.executable, "-m", "workers.cli", "worker", stage, "--engine", engine,
-                                 "--log-level", "WARNING", "--shutdown-grace-s", "1"], cwd=REPO_ROOT, env=environment)
+                                 "--log-level", log_level, "--shutdown-grace-s", "1"], cwd=REPO_ROOT, env=environment)
                for stage in stages]
     try:
         yield workers

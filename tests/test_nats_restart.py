@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from bus.client import open_client
+from bus.client import PipelineClient, open_client
 from bus.server import EmbeddedNatsServer
 from bus.settings import NatsSettings
+from schemas.registry import Stage, WorkerCard
 from tests.conftest import bus_settings
 from tests.pipeline_helpers import (
     ask_to_the_end,
@@ -59,3 +60,49 @@ async def test_new_requests_succeed_within_seconds_after_a_nats_restart_under_lo
         assert first_served_s < 10, first_served_s
     finally:
         server.stop()
+
+
+async def test_a_request_after_a_registry_outage_waits_for_workers_whose_cards_lapsed(tmp_path: Path) -> None:
+    """The server is away longer than the processor's grace (3 × the 1 s TTL); the decode worker's card lapses and,
+    the worker frozen, is not written again. A request then is queued for it, not refused: the outage said nothing
+    about the workers."""
+    settings = bus_settings(registry_ttl_s=1.0, heartbeat_timeout_s=10.0)
+    server = EmbeddedNatsServer(store_dir=tmp_path / "store")
+    server.start()
+    try:
+        nats = NatsSettings(urls=[server.url])
+        async with worker_processes([server.url], settings.namespace, ["processor", "decode"],
+                                    CONVEYOR_REGISTRY_TTL_S="1") as (processor, decode):
+            async with open_client(nats, settings, "outage-test") as client:
+                await wait_for_workers(client, num_workers=2, timeout_s=90)
+                assert (await ask_to_the_end(client, max_tokens=5)).usage.completion_tokens == 5
+
+                decode.send_signal(signal.SIGSTOP)
+                server.halt(signal.SIGKILL)
+                await asyncio.sleep(4.0)
+                server.start()
+                cards = await live_cards_once_registered(client, worker_count=1)
+                assert [card.stage for card in cards] == [Stage.PROCESSOR]  # the decode card lapsed
+
+                asked = asyncio.create_task(ask_to_the_end(client, max_tokens=5, timeout_s=60))
+                await asyncio.sleep(1.0)
+                assert not asked.done(), asked  # queued for the frozen worker, not refused
+                decode.send_signal(signal.SIGCONT)
+                assert (await asked).usage.completion_tokens == 5
+            assert processor.poll() is None
+    finally:
+        server.stop()
+
+
+async def live_cards_once_registered(client: PipelineClient, worker_count: int, timeout_s: float = 30.0) -> list[WorkerCard]:
+    """The registry's cards once `worker_count` are there (workers write theirs again after a restart)."""
+    deadline_s = time.monotonic() + timeout_s
+    while time.monotonic() < deadline_s:
+        try:
+            cards = await client.live_workers()
+            if len(cards) >= worker_count:
+                return cards
+        except Exception:  # the server is still starting JetStream
+            pass
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{worker_count} cards not registered within {timeout_s} s")

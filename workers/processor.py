@@ -137,8 +137,10 @@ class ProcessorStage:
         # The registry read under way, which every request that finds the view stale waits for (a burst of
         # arrivals would otherwise read the whole registry once each).
         self._cards_read: asyncio.Future[None] | None = None
-        # When each (model, stage) was last seen with a ready worker.
-        self._last_ready_s: dict[tuple[str, Stage], float] = {}
+        # Each (model, stage) ever seen with a ready worker, and since when the registry has shown none
+        # (absent: it shows one now).
+        self._seen_ready: set[tuple[str, Stage]] = set()
+        self._missing_since_s: dict[tuple[str, Stage], float] = {}
         self._ready_grace_s = 30.0
         self._watcher: asyncio.Task[None] | None = None
 
@@ -489,11 +491,13 @@ class ProcessorStage:
     def _missing_stages(self, model: str, mode: ServingMode, cards: list[WorkerCard]) -> set[Stage]:
         ready = {card.stage for card in cards if card.model == model and card.ready}
         now_s = time.monotonic()
-        # A stage seen ready moments ago is taken as still there: its cards may have expired while
+        # A stage that went missing moments ago is taken as still there: its cards may have expired while
         # JetStream recovered (a restart, a cluster electing leaders) or its worker is restarting.
-        # The task waits in its queue meanwhile, rather than the request being refused.
-        recent = {stage for (name, stage), seen_s in self._last_ready_s.items()
-                  if name == model and now_s - seen_s < self._ready_grace_s}
+        # The task waits in its queue meanwhile, rather than the request being refused. The moment counts
+        # from the first read that lacked the stage, not from the last that had it: reads wait out a
+        # registry outage, which says nothing about the workers, and cards lapse during it.
+        recent = {stage for (name, stage), since_s in self._missing_since_s.items()
+                  if name == model and now_s - since_s < self._ready_grace_s}
         return (REQUIRED_STAGES[mode] - {Stage.PROCESSOR}) - ready - recent
 
     async def _live_cards(self, max_age_s: float = _REGISTRY_REFRESH_S) -> list[WorkerCard]:
@@ -517,9 +521,12 @@ class ProcessorStage:
 
     def _remember_ready(self, cards: list[WorkerCard]) -> None:
         now_s = time.monotonic()
-        for card in cards:
-            if card.ready:
-                self._last_ready_s[(card.model, card.stage)] = now_s
+        ready = {(card.model, card.stage) for card in cards if card.ready}
+        self._seen_ready |= ready
+        for key in ready:
+            self._missing_since_s.pop(key, None)
+        for key in self._seen_ready - ready:
+            self._missing_since_s.setdefault(key, now_s)
 
 
 def _first(pools: list[str]) -> str | None:
