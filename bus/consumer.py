@@ -39,9 +39,8 @@ from typing import Any, Generic, Protocol, TypeVar
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.errors import ConnectionClosedError, NoServersError
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from nats.js.errors import APIError
 from pydantic import TypeAdapter, ValidationError
 
 from bus.cancel import CancelRegistry
@@ -296,8 +295,9 @@ class WorkConsumer(Generic[TaskT]):
             return await subscription.fetch(batch=batch, timeout=self._options.fetch_timeout_s)
         except TimeoutError:
             return []
-        except (ConnectionClosedError, NoServersError, APIError) as error:
-            # NATS is away or restarting: the client reconnects; keep asking, but not in a hot loop.
+        except NatsError as error:
+            # NATS is away or restarting (closed, reconnecting, no responders, a leader being elected): the client
+            # reconnects; keep asking, but not in a hot loop. Any of these ending the loop would stop the worker.
             log.warning("consumer.fetch_failed", stage=self.stage.value, error=repr(error))
             await asyncio.sleep(self._settings.retry_base_s)
             return []
