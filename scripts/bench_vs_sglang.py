@@ -108,7 +108,7 @@ class Servers:
         self.spawn("sglang", [sys.executable, "-m", "sglang.launch_server", "--model-path", args.model,
                               "--load-format", "dummy", "--attention-backend", "triton", "--sampling-backend", "pytorch",
                               "--mem-fraction-static", str(args.sglang_mem_fraction), "--host", "127.0.0.1",
-                              "--page-size", str(args.page_size), *running_limit(args),
+                              "--page-size", str(args.page_size), *running_limit(args), *server_kv_events(args),
                               "--port", str(args.sglang_port), "--log-level", "warning"])
         wait_http(f"{url}/v1/models", "sglang server", args.start_timeout_s, [self.processes["sglang"]],
                   ready=lambda: model_listed(url, args.model))
@@ -323,6 +323,15 @@ def extra_server_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.max_running_requests:
         extra["max_running_requests"] = args.max_running_requests
     return extra
+
+
+def server_kv_events(args: argparse.Namespace) -> list[str]:
+    """SGLang's KV events on the reference server, published as Conveyor's engine has them published (ZMQ PUB bound
+    on every interface; nobody need subscribe), when asked: Conveyor records them by default, the server does not."""
+    if not args.sglang_kv_events:
+        return []
+    config = {"publisher": "zmq", "endpoint": f"tcp://*:{args.sglang_kv_events_port}", "topic": "kv-events"}
+    return ["--kv-events-config", json.dumps(config)]
 
 
 def running_limit(args: argparse.Namespace) -> list[str]:
@@ -676,6 +685,10 @@ def main() -> None:
                              "hand (--sglang-url) needs the same flag.")
     parser.add_argument("--worker-concurrency", type=int, default=512, help="Tasks each Conveyor worker holds at once.")
     parser.add_argument("--sglang-port", type=int, default=30000)
+    parser.add_argument("--sglang-kv-events", action=argparse.BooleanOptionalAction, default=False,
+                        help="Start the reference server with SGLang's KV events on, as Conveyor's engine runs by "
+                             "default (like against like: docs/performance.md, eighth stop).")
+    parser.add_argument("--sglang-kv-events-port", type=int, default=5599)
     parser.add_argument("--sglang-url", help="An SGLang server already running (started by hand: see docs/gpu.md).")
     parser.add_argument("--conveyor-url", help="A Conveyor gateway already running (this script's `conveyor` mode, on this "
                         "machine: the profile finds its processes); no NATS clients then.")
