@@ -325,7 +325,8 @@ class WorkerRuntime:
                     if self._registration is not None:
                         await self._registration.write_now()
         except Exception as error:
-            log.warning("worker.recovery_abandoned", error=repr(error))
+            # Retries end only when the worker stops: a shutdown during an outage, not a failure of its own.
+            log.info("worker.recovery_stopped", error=repr(error))
             return
         log.info("worker.recovered_after_reconnect")
 
