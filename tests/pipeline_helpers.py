@@ -17,7 +17,7 @@ from bus.client import PipelineClient
 from bus.errors import RemoteError, ReplyStreamBroken
 from bus.registry import live_workers, ready_models
 from schemas.client import ChatMessage, ChatRequest, CompletionRequest, StreamFormat
-from schemas.registry import ServingMode, Stage
+from schemas.registry import ServingMode, Stage, WorkerCard
 from schemas.replies import FinalFrame
 from tests.conftest import Bus
 from workers.decode import DecodeStage
@@ -171,14 +171,16 @@ async def worker_processes(urls: list[str], namespace: str, stages: list[str], e
         await stop_processes(workers, grace_s=15)
 
 
-async def wait_for_workers(client: PipelineClient, num_workers: int, timeout_s: float) -> None:
-    """Until the mock model is ready and `num_workers` cards are live (JetStream may still be recovering)."""
+async def wait_for_workers(client: PipelineClient, num_workers: int, timeout_s: float,
+                           model_ready: bool = True) -> list[WorkerCard]:
+    """Until `num_workers` ready cards are live, and the mock model is ready unless `model_ready` is False
+    (JetStream may still be recovering); returns those cards."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             cards = [card for card in await client.live_workers() if card.ready]
-            if MOCK in ready_models(cards) and len(cards) >= num_workers:
-                return
+            if (MOCK in ready_models(cards) or not model_ready) and len(cards) >= num_workers:
+                return cards
         except Exception:  # the server is coming back, or a cluster is electing its leaders
             pass
         await asyncio.sleep(0.2)

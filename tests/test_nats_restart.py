@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from bus.client import PipelineClient, open_client
+from bus.client import open_client
 from bus.server import EmbeddedNatsServer
 from bus.settings import NatsSettings
-from schemas.registry import Stage, WorkerCard
+from schemas.registry import Stage
 from tests.conftest import bus_settings
 from tests.pipeline_helpers import (
     ask_to_the_end,
@@ -81,7 +81,7 @@ async def test_a_request_after_a_registry_outage_waits_for_workers_whose_cards_l
                 server.halt(signal.SIGKILL)
                 await asyncio.sleep(4.0)
                 server.start()
-                cards = await live_cards_once_registered(client, worker_count=1)
+                cards = await wait_for_workers(client, num_workers=1, timeout_s=30, model_ready=False)
                 assert [card.stage for card in cards] == [Stage.PROCESSOR]  # the decode card lapsed
 
                 asked = asyncio.create_task(ask_to_the_end(client, max_tokens=5, timeout_s=60))
@@ -92,17 +92,3 @@ async def test_a_request_after_a_registry_outage_waits_for_workers_whose_cards_l
             assert processor.poll() is None
     finally:
         server.stop()
-
-
-async def live_cards_once_registered(client: PipelineClient, worker_count: int, timeout_s: float = 30.0) -> list[WorkerCard]:
-    """The registry's cards once `worker_count` are there (workers write theirs again after a restart)."""
-    deadline_s = time.monotonic() + timeout_s
-    while time.monotonic() < deadline_s:
-        try:
-            cards = await client.live_workers()
-            if len(cards) >= worker_count:
-                return cards
-        except Exception:  # the server is still starting JetStream
-            pass
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{worker_count} cards not registered within {timeout_s} s")
