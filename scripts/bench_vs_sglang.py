@@ -120,7 +120,9 @@ class Servers:
         self.nats_url = f"nats://127.0.0.1:{port}"
         store = self.logs / "nats-store"
         store.mkdir(exist_ok=True)
-        self.spawn("nats", [sys.executable, "-m", "workers.cli", "server", "--port", str(port), "--store-dir", str(store)])
+        # Monitoring 4000 above the client port (8222 for 4222): a second stack's server must not collide.
+        self.spawn("nats", [sys.executable, "-m", "workers.cli", "server", "--port", str(port), "--store-dir", str(store),
+                            "--monitor-port", str(port + 4000)])
         env = {"CONVEYOR_NATS_URLS": self.nats_url, "CONVEYOR_NAMESPACE": self.namespace}
         worker = [sys.executable, "-m", "workers.cli", "worker", "--engine", args.engine, "--model", args.model,
                   "--load-format", "dummy", "--log-level", "WARNING", "--max-concurrency", str(args.worker_concurrency)]
@@ -695,6 +697,10 @@ def main() -> None:
     parser.add_argument("--engine", default="sglang", help="Conveyor's engine (mock: check the harness without a GPU).")
     parser.add_argument("--gateway-port", type=int, default=8000)
     parser.add_argument("--nats-port", type=int, default=4222)
+    parser.add_argument("--metrics-port", type=int, default=METRICS_PORTS["processor"],
+                        help="The held stack's processor serves /metrics here and its decode worker on the next port; "
+                             "a second stack held beside the first (another configuration, compared in one lease) "
+                             "needs other ports, and the bench run that measures it the same value.")
     parser.add_argument("--start-timeout-s", type=float, default=420)
     parser.add_argument("--run-timeout-s", type=float, default=300)
     parser.add_argument("--out", help="Results folder (default: $OUT, else .bench-vs-sglang/).")
@@ -705,6 +711,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--base-url", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    # Set once, before anything starts or scrapes a worker: every reader of the ports reads them from here.
+    METRICS_PORTS.update(processor=args.metrics_port, decode=args.metrics_port + 1)
     if args.mode == "serving-loop":
         serving_loop()
     elif args.mode == "bench-once":  # one bench_serving run, its row on stdout (the profiled load)
