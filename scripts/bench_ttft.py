@@ -82,6 +82,7 @@ def percentiles(values: list[float]) -> str:
 
 async def run(args: argparse.Namespace) -> None:
     prompts = random_prompts(args.model, args.warmup + args.requests, args.prompt_tokens, args.seed)
+    print(f"[bench-ttft] prompts from seed {args.seed}", file=sys.stderr, flush=True)
     samples: dict[Target, list[float]] = {target: [] for target in args.targets}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.request_timeout_s)) as session:
         for index, (text, ids) in enumerate(prompts):
@@ -112,7 +113,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="Prompts sent first and not counted.")
     parser.add_argument("--prompt-tokens", type=int, default=1024, help="Longest prompt, in tokens.")
     parser.add_argument("--max-tokens", type=int, default=4, help="Tokens each request streams.")
-    parser.add_argument("--seed", type=int, default=0)
+    # Drawn per run: a server kept since an earlier run has its prompts in its prefix cache, a stack started since
+    # has not, and a cached prompt's first token comes sooner.
+    parser.add_argument("--seed", type=int, default=random.SystemRandom().randrange(1 << 30),
+                        help="Prompt seed (default: drawn per run, so no target has the prompts cached).")
     parser.add_argument("--request-timeout-s", type=float, default=60.0)
     args = parser.parse_args()
     if args.requests < 2:

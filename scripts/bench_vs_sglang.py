@@ -29,6 +29,7 @@ import os
 import queue
 import random
 import shutil
+import shlex
 import signal
 import statistics
 import subprocess
@@ -128,7 +129,8 @@ class Servers:
                   "--load-format", "dummy", "--log-level", "WARNING", "--max-concurrency", str(args.worker_concurrency)]
         self.spawn("processor", worker[:4] + ["processor"] + worker[4:] + ["--http-port", str(METRICS_PORTS["processor"])], env)
         # SGLang sizes its KV pool from the memory free at its start: the server above already holds its share.
-        self.spawn("decode", worker[:4] + ["decode"] + worker[4:] + ["--http-port", str(METRICS_PORTS["decode"])],
+        self.spawn("decode", worker[:4] + ["decode"] + worker[4:] + ["--http-port", str(METRICS_PORTS["decode"]),
+                                                                     *shlex.split(args.decode_args)],
                    {**env, "CONVEYOR_SGLANG_MEM_FRACTION_STATIC": str(args.conveyor_mem_fraction),
                     "CONVEYOR_SGLANG_PAGE_SIZE": str(args.page_size),
                     "CONVEYOR_SGLANG_EXTRA_SERVER_ARGS": json.dumps(extra_server_args(args))})
@@ -590,6 +592,7 @@ def run(args: argparse.Namespace) -> None:
     servers = Servers(args, logs)
     client = ServingClient(args)
     report: dict[str, Any] = {"args": vars(args), "levels": {}}
+    say(f"prompt seeds from {args.seed_base} (--seed-base {args.seed_base} repeats this run's prompts)")
     started = time.monotonic()
     try:
         urls = {"sglang": args.sglang_url or servers.start_sglang()}
@@ -601,7 +604,7 @@ def run(args: argparse.Namespace) -> None:
             runs: dict[str, list[dict[str, Any]]] = {}
             for round_index in range(args.rounds):
                 order = ["sglang", "conveyor"] if round_index % 2 == 0 else ["conveyor", "sglang"]
-                seed = 100 * level + round_index
+                seed = args.seed_base + 100 * level + round_index
                 for system in order:
                     before = itl_buckets() if system == "conveyor" else {}
                     row = bench_http(args, client, urls[system], level, seed, logs / f"{system}.jsonl")
@@ -665,6 +668,12 @@ def main() -> None:
                         help="Lengths are drawn from [ratio × len, len] (0.25: prompts 256–1024, outputs 128–512).")
     parser.add_argument("--prompts-per-stream", type=int, default=2, help="Requests per run = concurrency × this.")
     parser.add_argument("--min-prompts", type=int, default=8)
+    # Fresh prompts per run by default: a server kept between runs has the last run's prompts in its prefix cache, and
+    # a Conveyor stack started since has not; with fixed seeds that server skipped most of its prefill (16 new tokens of
+    # ~1,000 per prompt, read from its log) and its inter-token tail looked half as long.
+    parser.add_argument("--seed-base", type=int, default=random.SystemRandom().randrange(1, 1_000_000) * 1000,
+                        help="Round r at concurrency c uses bench_serving's seed BASE + 100·c + r, the same for both "
+                             "systems (default: drawn per run, so no engine has seen the prompts).")
     parser.add_argument("--persistent-client", action=argparse.BooleanOptionalAction, default=True,
                         help="Keep one bench_serving process for every run (imported once) instead of one per run.")
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
@@ -695,6 +704,8 @@ def main() -> None:
     parser.add_argument("--conveyor-url", help="A Conveyor gateway already running (this script's `conveyor` mode, on this "
                         "machine: the profile finds its processes); no NATS clients then.")
     parser.add_argument("--engine", default="sglang", help="Conveyor's engine (mock: check the harness without a GPU).")
+    parser.add_argument("--decode-args", default="", help="More options for Conveyor's decode worker, as one string "
+                        "(e.g. '--migration-limit 0 --coalesce-ms 2').")
     parser.add_argument("--gateway-port", type=int, default=8000)
     parser.add_argument("--nats-port", type=int, default=4222)
     parser.add_argument("--metrics-port", type=int, default=METRICS_PORTS["processor"],
