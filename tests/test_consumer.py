@@ -221,6 +221,30 @@ async def test_concurrency_is_bounded_per_worker(bus: Bus) -> None:
     assert peak == 2
 
 
+@pytest.mark.parametrize("fetch_batch", [1, 8])
+async def test_a_queued_burst_reaches_the_handler_in_groups_of_the_fetch_batch(bus: Bus, fetch_batch: int) -> None:
+    # How far the pull loop has spawned ahead of the handlers started: a fetch of n spawns n tasks in one go.
+    ahead: list[float] = []
+    release = asyncio.Event()
+    in_flight = lambda: metric("conveyor_in_flight", stage="decode")  # noqa: E731
+    base = in_flight()
+
+    async def handle(task: DecodeTask, delivery: Delivery) -> None:
+        ahead.append(in_flight() - base - (len(ahead) + 1))
+        await release.wait()
+
+    for index in range(8):
+        await publish(bus, decode_task(f"burst{index}"))
+    options = ConsumerOptions(fetch_timeout_s=0.2, max_concurrency=8, fetch_batch=fetch_batch)
+    async with running_consumer(bus, handle, options):
+        await wait_until(lambda: len(ahead) == 8, timeout_s=10)
+        release.set()
+    if fetch_batch == 1:
+        assert max(ahead) <= 1  # each pull took one task: at most the next was spawned before this one started
+    else:
+        assert max(ahead) >= 5  # the second pull took the other seven at once
+
+
 async def test_two_replicas_share_the_work(bus: Bus) -> None:
     by_worker: dict[str, list[str]] = {"a": [], "b": []}
 

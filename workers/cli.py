@@ -246,6 +246,10 @@ def worker(
         "Tasks this worker holds at once (default 32; 4 for encode, 1 for image, whose work is CPU/GPU-bound: a "
         "worker holding more only queues them itself while other replicas idle). Never more than the engine runs "
         "at once (torch, mock: their max running requests)."))] = None,
+    fetch_batch: Annotated[int, typer.Option(min=1, help=(
+        "Tasks one pull from the stage's queue takes while a backlog waits (up to the free slots). 1: a burst of "
+        "requests reaches the engine one per pull, so SGLang, which runs waiting prompts before the next decode "
+        "step, prefills it in smaller groups while streams decode (docs/performance.md)."))] = 8,
     shutdown_grace_s: Annotated[float, typer.Option(help="On SIGTERM, how long in-flight work may finish before it is handed back.")] = 30.0,
     load_format: Annotated[str, typer.Option(help="auto, or dummy (random weights; for benchmarks).")] = "auto",
     coalesce_ms: Annotated[float, typer.Option(min=0.0, help="Merge a stream's tokens arriving within this window into one frame (fewer messages at high token rates).")] = 0.0,
@@ -255,8 +259,8 @@ def worker(
     kv_events: Annotated[bool, typer.Option("--kv-events/--no-kv-events", envvar="CONVEYOR_KV_EVENTS", help=(
         "Prefill and decode: publish the engine's KV-cache changes to the KV-events stream, which a processor's "
         "--router kv indexes to send prompts where their prefix is cached. Off: a kv router finds nothing cached "
-        "here and weighs this worker by its load alone; SGLang then records no events, which on the H100 took "
-        "~5 ms off the first token at one stream (docs/performance.md)."))] = True,
+        "here and weighs this worker by its load alone, and SGLang records no events (on the H100 that made no "
+        "measurable difference to the first token or the token rate: docs/performance.md)."))] = True,
     kv_events_interval_ms: Annotated[float, typer.Option(min=0.0, help=(
         "Publish the engine's KV-cache events this often at most: batches arriving within this window of each other "
         "go as one message (the torch engine emits one per step that fills a page; each publish costs the worker's event "
@@ -344,7 +348,7 @@ def worker(
         stage=stage_kind, model=models[0], also_serves=tuple(models[1:]), mode=serving_mode,
         engine_name=engine_kind.value, http_host=http_host,
         http_port=http_port, max_concurrency=max_concurrency or _DEFAULT_CONCURRENCY.get(stage_kind, 32),
-        shutdown_grace_s=shutdown_grace_s,
+        fetch_batch=fetch_batch, shutdown_grace_s=shutdown_grace_s,
         coalesce_window_s=coalesce_ms / 1000, kv_events=kv_events, kv_events_interval_s=kv_events_interval_ms / 1000,
         pool=pool,
     )

@@ -69,6 +69,8 @@ class WorkerOptions:
     # 0 picks a free port (printed at start and written in the worker card).
     http_port: int = 0
     max_concurrency: int = 32
+    # Tasks one JetStream pull takes when a backlog is queued (bus/consumer.py).
+    fetch_batch: int = 8
     shutdown_grace_s: float = 30.0
     # How often the canary re-checks the engine while the worker runs.
     canary_interval_s: float = 30.0
@@ -230,7 +232,7 @@ class WorkerRuntime:
             self._consumer = WorkConsumer(
                 nc, js, self._names, self._bus, self.options.stage, self._stage.task_type, self._stage.handle,
                 cancels, worker_id=self.options.worker_id, model=self._stage.consumes_model,
-                options=ConsumerOptions(max_concurrency=self._max_concurrency(),
+                options=ConsumerOptions(max_concurrency=self._max_concurrency(), fetch_batch=self.options.fetch_batch,
                                         coalesce_window_s=self.options.coalesce_window_s,
                                         journal_replies=self._stage.journals_replies,
                                         # The stages that run prompts: a router may pin a task to one replica.
