@@ -156,7 +156,7 @@ def test_sglang_own_metrics_are_off_unless_asked_for() -> None:
 
 
 def test_sglang_records_no_kv_events_when_they_are_off() -> None:
-    # `--no-kv-events`: SGLang is not asked to record them at all (recording them cost the first token ~5 ms).
+    # `--no-kv-events`: SGLang is not asked to record them at all (nothing would read them).
     assert "kv_events_config" not in server_args(SGLangEngineConfig(model_path="/m", kv_events=False), 1, 2)
     assert "kv_events_config" in server_args(SGLangEngineConfig(model_path="/m"), 1, 2)
 

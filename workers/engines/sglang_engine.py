@@ -100,8 +100,7 @@ class SGLangEngineConfig(BaseSettings):
     bootstrap_host: str = "127.0.0.1"
     transfer_backend: str = "nixl"
     # KV events: SGLang records its cache's changes and publishes them on a ZMQ endpoint (0 picks a free local port)
-    # for the relay. Off (`conveyor worker --no-kv-events`): none are recorded; at one stream on the H100 they added
-    # ~5 ms to the first token (docs/performance.md).
+    # for the relay. Off (`conveyor worker --no-kv-events`): none are recorded, for a worker no KV router reads.
     kv_events: bool = True
     kv_events_port: int = 0
     enable_memory_saver: bool = False
