@@ -508,6 +508,12 @@ def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
             if all(isinstance(row.get(key), (int, float)) for row in rows)}
 
 
+def tail_by_round(rows: list[dict[str, Any]]) -> str:
+    """Each round's ITL p99 beside its TTFT p50. The inter-token tail flips between regimes from one round to the
+    next, with the first token (docs/performance.md, tenth stop): a median of a few rounds is not the whole story."""
+    return ", ".join(f"{row.get('p99_itl_ms', 0):.1f} (TTFT {row['median_ttft_ms']:.0f})" for row in rows)
+
+
 def print_table(report: dict[str, Any]) -> None:
     """Each system's median round, its ratios to the server's, and the tok/s ratio of each round (the two
     systems of one round ran back to back, so a round's ratio is the least noisy figure)."""
@@ -534,6 +540,9 @@ def print_table(report: dict[str, Any]) -> None:
                      for mine, theirs in zip(rounds["conveyor"], rounds["sglang"])]
             print(f"{level:>4} | TTFT p50 added by Conveyor, median over rounds of each round's difference: "
                   f"{statistics.median(added):+.1f} ms (rounds: {', '.join(f'{value:+.1f}' for value in added)})")
+        if rounds.get("conveyor") and rounds.get("sglang"):
+            print(f"{level:>4} | ITL p99 ms by round (TTFT p50 ms): sglang {tail_by_round(rounds['sglang'])}; "
+                  f"conveyor {tail_by_round(rounds['conveyor'])}")
         if "decode_p99_itl_ms" in by_system.get("conveyor", {}):
             print(f"{level:>4} | ITL p99 as the decode worker saw tokens leave the engine (before the bus): "
                   f"{by_system['conveyor']['decode_p99_itl_ms']:.2f} ms")
