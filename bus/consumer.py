@@ -116,8 +116,7 @@ Handler = Callable[[TaskT, Delivery], Awaitable[None]]
 class ConsumerOptions:
     max_concurrency: int = 8
     # Tasks one pull asks for while a backlog is queued. A larger batch drains a burst in fewer round trips; 1 hands
-    # a burst to the handler one task per pull (an engine that runs waiting prompts before decoding then sees the
-    # burst spread out, not in groups: docs/performance.md, tenth stop).
+    # a burst to the handler one task per pull (docs/performance.md, tenth stop: what that did to SGLang's batches).
     fetch_batch: int = 8
     # How long one fetch waits for work; also the longest a stop waits for the fetch to return.
     fetch_timeout_s: float = 1.0

@@ -1,8 +1,9 @@
 """What SGLang's KV events cost around the first token, without a GPU: the parts of the path, simulated.
 
-On the H100, Conveyor's one-stream TTFT once read ~5 ms longer with SGLang's KV events on (docs/performance.md, eighth
-stop; like-for-like measurements in the tenth stop did not reproduce it, and on the H100 machine's CPU this script
-found 0.1 ms per prompt). This benchmark runs the event path's parts on the CPU, with SGLang's own code where it matters, in one run:
+On the H100, Conveyor's one-stream TTFT once read ~5 ms longer with SGLang's KV events on (docs/performance.md,
+eighth stop; like-for-like measurements in the tenth stop did not reproduce it, and on the H100 machine's CPU this
+script found 0.1 ms per prompt). This benchmark runs the event path's parts on the CPU, with SGLang's own code where
+it matters, in one run:
 
 1. **Token latency next to the events.** A "scheduler" process busy-loops in Python (holding the GIL, as SGLang's
    scheduler does) and, every 15–35 ms, sends a token message on a PUSH socket (SGLang's detokenizer → tokenizer

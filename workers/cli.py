@@ -248,8 +248,8 @@ def worker(
         "at once (torch, mock: their max running requests)."))] = None,
     fetch_batch: Annotated[int, typer.Option(min=1, help=(
         "Tasks one pull from the stage's queue takes while a backlog waits (up to the free slots). 1: a burst of "
-        "requests reaches the engine one per pull, so SGLang, which runs waiting prompts before the next decode "
-        "step, prefills it in smaller groups while streams decode (docs/performance.md)."))] = 8,
+        "requests reaches the engine one per pull. On the H100 that did not keep SGLang from prefilling a burst "
+        "in groups while streams decode (it collects what arrives during a prefill): docs/performance.md."))] = 8,
     shutdown_grace_s: Annotated[float, typer.Option(help="On SIGTERM, how long in-flight work may finish before it is handed back.")] = 30.0,
     load_format: Annotated[str, typer.Option(help="auto, or dummy (random weights; for benchmarks).")] = "auto",
     coalesce_ms: Annotated[float, typer.Option(min=0.0, help="Merge a stream's tokens arriving within this window into one frame (fewer messages at high token rates).")] = 0.0,
