@@ -226,7 +226,9 @@ async def test_a_queued_burst_reaches_the_handler_in_groups_of_the_fetch_batch(b
     # How far the pull loop has spawned ahead of the handlers started: a fetch of n spawns n tasks in one go.
     ahead: list[float] = []
     release = asyncio.Event()
-    in_flight = lambda: metric("conveyor_in_flight", stage="decode")  # noqa: E731
+    def in_flight() -> float:
+        return metric("conveyor_in_flight", stage="decode")
+
     base = in_flight()
 
     async def handle(task: DecodeTask, delivery: Delivery) -> None:
