@@ -5,6 +5,7 @@ turns them into the one precomputed item SGLang takes."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
@@ -94,6 +95,8 @@ async def test_rows_and_grids_cross_nixl_as_the_encode_worker_hands_them_on(qwen
     exporter = EmbeddingExporter("encode-qwen-test", 16 << 20)
     try:
         handle = await exporter.offer("req-1", encoded.rows, wait_for_space_s=5, cancelled=lambda: False, hold_s=60)
+        # Asked while the offer is open: the exporter's poller may end it (and forget it) before the read returns.
+        ended = asyncio.ensure_future(exporter.outcome("req-1"))
         wire = EncodedImages(token_ids=encoded.token_ids, rows=handle, image_grids=list(encoded.grids))
         # What an SGLang LLM worker makes of the task (it has no tower of its own here: only the rows can serve).
         prompt = await ImageInputs(None, reader_name="decode-qwen-test").resolve(
@@ -101,6 +104,6 @@ async def test_rows_and_grids_cross_nixl_as_the_encode_worker_hands_them_on(qwen
             decode(encode(wire), EncodedImages))
         assert prompt.token_ids == encoded.token_ids and prompt.grids == encoded.grids
         assert prompt.rows is not None and torch.equal(prompt.rows, encoded.rows)
-        assert await exporter.outcome("req-1") == "read"
+        assert await ended == "read"
     finally:
         await exporter.close()
