@@ -45,6 +45,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from schemas.kv_hashing import block_hash
 from workers.engines.network import advertised_host
+from workers.engines.pacing import Admission, PrefillBudget, Withdrawn
 from schemas.registry import BootstrapEndpoint
 from schemas.replies import FinishReason, TokenLogprob, TopLogprob
 from workers.engines.events import KvEventFanout
@@ -88,6 +89,10 @@ class SGLangEngineConfig(BaseSettings):
     mm_attention_backend: str | None = "sdpa"
     sampling_backend: str | None = "pytorch"
     stream_interval: int = DEFAULT_STREAM_INTERVAL
+    # Prefill pacing (workers/engines/pacing.py): prompt tokens, less what the prefix cache holds, handed to SGLang
+    # before the first tokens of the last share are out; 0 hands every request over as it arrives. Only an aggregated
+    # engine paces (a decode engine's prompts arrive as KV; a prefill engine has no streams to keep decoding).
+    prefill_budget_tokens: int = Field(default=0, ge=0)
     # SGLang's own Prometheus series (per-token histograms observed on the worker's event loop). Off: the worker's
     # /metrics has its own TTFT, ITL and load series, and on the H100 turning these off (with KV events) took the
     # inter-token gap at 1 stream from 2.38 ms to 1.79 ms (docs/performance.md).
@@ -387,9 +392,21 @@ class BlockKeys:
 
     def __init__(self) -> None:
         self._ours: dict[int, int] = {}
+        self._held: set[int] = set()  # our keys of the blocks the engine holds
 
     def __len__(self) -> int:
         return len(self._ours)
+
+    def cached_prefix_tokens(self, token_ids: list[int], block_size: int) -> int:
+        """Tokens of the prompt's longest prefix whose blocks the engine holds (as far as its events said)."""
+        parent: int | None = None
+        num_blocks = 0
+        for start in range(0, len(token_ids) - block_size + 1, block_size):
+            parent = block_hash(parent, token_ids[start : start + block_size])
+            if parent not in self._held:
+                break
+            num_blocks += 1
+        return num_blocks * block_size
 
     def translate(self, event: KvEvent) -> KvEvent | None:
         """The event in our keys; None when nothing of it can be translated."""
@@ -397,8 +414,10 @@ class BlockKeys:
             return self._stored(event)
         if isinstance(event, BlockRemoved):
             keys = [key for engine_hash in event.block_hashes if (key := self._ours.pop(engine_hash, None)) is not None]
+            self._held.difference_update(keys)
             return BlockRemoved(block_hashes=keys, medium=event.medium) if keys else None
         self._ours.clear()  # AllBlocksCleared
+        self._held.clear()
         return event
 
     def _stored(self, event: BlockStored) -> BlockStored | None:
@@ -420,6 +439,7 @@ class BlockKeys:
                 break
             parent = block_hash(parent, tokens)
             self._ours[engine_hash] = parent
+            self._held.add(parent)
             keys.append(parent)
         if not keys:
             return None
@@ -501,6 +521,8 @@ class SGLangEngine:
         self._lora_lock = asyncio.Lock()
         # Open sessions -> the request id of their last finished turn (the node the next turn continues from).
         self._sessions: dict[str, str | None] = {}
+        paces = config.prefill_budget_tokens > 0 and config.role == DisaggregationRole.NONE
+        self._prefill_budget = PrefillBudget(config.prefill_budget_tokens) if paces else None
 
     @property
     def info(self) -> EngineInfo:
@@ -571,15 +593,22 @@ class SGLangEngine:
             kwargs["session_params"] = {"id": request.session.id, "rid": await self._session_turn(request)}
         if request.image_rows is not None:
             kwargs["image_data"] = [image_item(request)]
-        stream = await self._engine.async_generate(**kwargs)
+        try:
+            admission = await self._admit(request)
+        except Withdrawn:  # cancelled while it waited for its share: SGLang never saw it
+            yield GenerateOutput([], finish_reason=FinishReason.CANCELLED, prompt_tokens=len(request.token_ids))
+            return
         finished = False
         try:
+            stream = await self._engine.async_generate(**kwargs)
             async for item in stream:
                 meta = item.get("meta_info", {})
                 reason, matched, error = finish_of(meta)
                 token_ids = list(item.get("output_ids") or [])
                 if not token_ids and reason is None:
                     continue  # an idle tick
+                if admission is not None:
+                    admission.release()  # its prefill is done (or it ended): the next share may go in
                 finished = reason is not None
                 if finished and request.session is not None:
                     # Before the final output goes out: its reader stops reading there, and the next turn may come.
@@ -599,12 +628,26 @@ class SGLangEngine:
                 if finished:
                     return
         finally:
+            if admission is not None:
+                admission.release()
             if not finished:
                 await self.abort(request.request_id)
                 if request.session is not None:
                     await self._end_turn(request, completed=False)
 
+    async def _admit(self, request: GenerateRequest) -> Admission | None:
+        """This request's share of the prefill budget (None: not paced). What SGLang's prefix cache holds, as its
+        KV events told, is not counted: it costs no prefill."""
+        if self._prefill_budget is None:
+            return None
+        num_tokens = len(request.token_ids)
+        if self._relay is not None and self.config.page_size and request.lora_name is None:
+            num_tokens -= self._relay.keys.cached_prefix_tokens(request.token_ids, self.config.page_size)
+        return await self._prefill_budget.admit(request.request_id, num_tokens)
+
     async def abort(self, request_id: str) -> None:
+        if self._prefill_budget is not None and self._prefill_budget.withdraw(request_id):
+            return
         if self._engine is not None:
             self._engine.tokenizer_manager.abort_request(rid=request_id)
 
