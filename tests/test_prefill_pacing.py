@@ -1,6 +1,6 @@
 """Prefill pacing (workers/engines/pacing.py): a burst reaches the engine a budget's worth of prompt at a time, in
-arrival order, and a cancelled request never reaches it; and how the SGLang adapter uses it, driven through a
-stand-in for SGLang's `async_generate` (sglang itself needs a GPU)."""
+arrival order, the next share once the last has started decoding, and a cancelled request never reaches it; and how
+the SGLang adapter uses it, driven through a stand-in for SGLang's `async_generate` (sglang itself needs a GPU)."""
 
 from __future__ import annotations
 
@@ -85,28 +85,35 @@ async def test_a_waiter_cancelled_after_its_grant_gives_its_share_back() -> None
 
 
 class _StandInSGLang:
-    """What the adapter calls on `sglang.Engine`: `async_generate` streams one first token when the test lets a
-    request's prefill finish, then its final item; `tokenizer_manager.abort_request` ends a stream."""
+    """What the adapter calls on `sglang.Engine`: `async_generate` streams a request's three tokens one engine step
+    at a time, as the test steps it (`step(rid)`), the last with its finish; `tokenizer_manager.abort_request` is
+    recorded."""
 
     def __init__(self) -> None:
         self.submitted: list[str] = []
-        self.prefilled: dict[str, asyncio.Event] = {}
+        self.steps: dict[str, asyncio.Semaphore] = {}
         self.aborted: list[str] = []
         self.tokenizer_manager = self
 
     def abort_request(self, rid: str) -> None:
         self.aborted.append(rid)
 
+    def step(self, rid: str, num_steps: int = 1) -> None:
+        for _ in range(num_steps):
+            self.steps[rid].release()
+
     async def async_generate(self, *, rid: str, input_ids: list[int], **_: Any) -> AsyncIterator[dict[str, Any]]:
         self.submitted.append(rid)
-        self.prefilled[rid] = asyncio.Event()
+        self.steps[rid] = asyncio.Semaphore(0)
 
         async def items() -> AsyncIterator[dict[str, Any]]:
             yield {"output_ids": [], "meta_info": {}}  # an idle tick before the prefill ends
-            await self.prefilled[rid].wait()
-            yield {"output_ids": [7], "meta_info": {}}
-            yield {"output_ids": [8], "meta_info": {"finish_reason": {"type": "length"},
-                                                    "prompt_tokens": len(input_ids), "completion_tokens": 2}}
+            for token in (7, 8):
+                await self.steps[rid].acquire()
+                yield {"output_ids": [token], "meta_info": {}}
+            await self.steps[rid].acquire()
+            yield {"output_ids": [9], "meta_info": {"finish_reason": {"type": "length"},
+                                                    "prompt_tokens": len(input_ids), "completion_tokens": 3}}
 
         return items()
 
@@ -115,23 +122,26 @@ async def _collect(engine: SGLangEngine, request: GenerateRequest) -> list[Any]:
     return [output async for output in engine.generate(request)]
 
 
-async def test_sglang_gets_the_next_prompts_once_the_first_ones_streamed_a_token() -> None:
+async def test_sglang_gets_the_next_prompts_once_the_first_ones_took_a_decode_step() -> None:
     engine = SGLangEngine(SGLangEngineConfig(model_path="/models/x", prefill_budget_tokens=1000))
     engine._engine = sglang = _StandInSGLang()
     runs = {rid: asyncio.create_task(_collect(engine, GenerateRequest(rid, list(range(400)))))
             for rid in ["r1", "r2", "r3", "r4"]}
     await _settle()
     assert sglang.submitted == ["r1", "r2"]  # 800 of 1000 tokens; a third would not fit
-    sglang.prefilled["r1"].set()
+    sglang.step("r1")
     await _settle()
-    assert sglang.submitted == ["r1", "r2", "r3"]  # r1's first token is out: its share goes to r3
-    sglang.prefilled["r2"].set()
+    assert sglang.submitted == ["r1", "r2"]  # r1's prefill is done, but no decode step has run after it yet
+    sglang.step("r1")
+    await _settle()
+    assert sglang.submitted == ["r1", "r2", "r3"]  # its second token is out: its share goes to r3
+    sglang.step("r2", 2)
     await _settle()
     assert sglang.submitted == ["r1", "r2", "r3", "r4"]
-    for rid in ["r3", "r4"]:
-        sglang.prefilled[rid].set()
+    for rid, num_steps in [("r1", 1), ("r2", 1), ("r3", 3), ("r4", 3)]:
+        sglang.step(rid, num_steps)
     outputs = {rid: await run for rid, run in runs.items()}
-    assert all([o.token_ids for o in out] == [[7], [8]] for out in outputs.values())
+    assert all([o.token_ids for o in out] == [[7], [8], [9]] for out in outputs.values())
 
 
 async def test_a_request_cancelled_while_it_waits_ends_cancelled_without_reaching_sglang() -> None:
@@ -144,8 +154,8 @@ async def test_a_request_cancelled_while_it_waits_ends_cancelled_without_reachin
     outputs = await waiting
     assert [o.finish_reason for o in outputs] == [FinishReason.CANCELLED]
     assert "waiting" not in sglang.submitted and "waiting" not in sglang.aborted
-    sglang.prefilled["first"].set()
-    assert [o.token_ids for o in await first] == [[7], [8]]
+    sglang.step("first", 3)
+    assert [o.token_ids for o in await first] == [[7], [8], [9]]
 
 
 async def test_only_an_aggregated_engine_paces_and_zero_turns_pacing_off() -> None:
@@ -155,13 +165,14 @@ async def test_only_an_aggregated_engine_paces_and_zero_turns_pacing_off() -> No
                                                  prefill_budget_tokens=budget_tokens))
         engine._engine = sglang = _StandInSGLang()
         disaggregated = role != DisaggregationRole.NONE
-        bootstrap = BootstrapInfo(bootstrap_host="10.0.0.1", bootstrap_port=8998, bootstrap_room=1) if disaggregated else None
+        bootstrap = (BootstrapInfo(bootstrap_host="10.0.0.1", bootstrap_port=8998, bootstrap_room=1)
+                     if disaggregated else None)
         runs = [asyncio.create_task(_collect(engine, GenerateRequest(f"r{i}", list(range(100)), bootstrap=bootstrap)))
                 for i in range(3)]
         await _settle()
         assert len(sglang.submitted) == 3, role
-        for event in sglang.prefilled.values():
-            event.set()
+        for rid in sglang.submitted:
+            sglang.step(rid, 3)
         await asyncio.gather(*runs)
 
 
@@ -180,9 +191,9 @@ async def test_prompt_blocks_the_engine_holds_are_not_counted_against_the_budget
     runs = [asyncio.create_task(_collect(engine, GenerateRequest(f"r{i}", prefix + [i] * 40))) for i in range(3)]
     await _settle()
     assert len(sglang.submitted) == 2  # 40 new tokens each: two fit in 100, though each prompt is 136 long
-    for _ in range(2):
-        for event in list(sglang.prefilled.values()):
-            event.set()
-        await _settle()
-    await asyncio.gather(*runs)
+    for rid in list(sglang.submitted):
+        sglang.step(rid, 3)
+    await _settle()
     assert len(sglang.submitted) == 3
+    sglang.step("r2", 3)
+    await asyncio.gather(*runs)

@@ -1,11 +1,12 @@
-"""Prefill pacing: how much prompt an engine is handed before what it was handed has produced a first token.
+"""Prefill pacing: how much prompt an engine is handed before what it was handed has started decoding.
 
 Why: SGLang runs a waiting prefill before its next decode step. A burst handed over at once (64 arrivals at a
 benchmark round's start, taken from the queue eight at a time) is prefilled batch after batch, and every stream
 already decoding waits through all of them: on the H100 that was a 37 ms inter-token gap at p99 against 13 ms for
 SGLang's own HTTP server, whose tokenizer spreads the same burst over time (docs/performance.md, tenth stop). With a
-budget, the engine gets at most a budget's worth of prompt; the next share goes in once the first tokens of the last
-one are out, so a decode step runs between two shares.
+budget, the engine gets at most a budget's worth of prompt; the next share goes in once the last one has started
+decoding (the engine adapter releases a share at its requests' second token), so decode steps run between shares.
+What it costs is the first token of a burst's later requests: docs/performance.md, eleventh stop, has both.
 
 Rules: shares are granted in arrival order (a long prompt is not overtaken for ever by short ones); a prompt longer
 than the budget goes alone; tokens the engine already holds in its prefix cache are the caller's to leave out of the

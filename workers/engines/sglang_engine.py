@@ -66,6 +66,10 @@ log = structlog.get_logger(__name__)
 
 # SGLang's default stream interval emits every token; Dynamo's docs suggest batching a few.
 DEFAULT_STREAM_INTERVAL = 1
+# Prefill pacing hands SGLang the next share once the last share's requests have this many tokens: their second
+# token means SGLang ran a decode step after their prefill. Released at the first token, the next share could reach
+# the scheduler in time to be prefilled straight after the last, and on the H100 some rounds kept the 30-38 ms tail.
+RELEASE_AFTER_TOKENS = 2
 
 
 class SGLangEngineConfig(BaseSettings):
@@ -90,8 +94,11 @@ class SGLangEngineConfig(BaseSettings):
     sampling_backend: str | None = "pytorch"
     stream_interval: int = DEFAULT_STREAM_INTERVAL
     # Prefill pacing (workers/engines/pacing.py): prompt tokens, less what the prefix cache holds, handed to SGLang
-    # before the first tokens of the last share are out; 0 hands every request over as it arrives. Only an aggregated
-    # engine paces (a decode engine's prompts arrive as KV; a prefill engine has no streams to keep decoding).
+    # before the last share's requests have streamed their second token; 0 hands every request over as it arrives.
+    # Only an aggregated engine paces (a decode engine's prompts arrive as KV; a prefill engine has no streams to keep
+    # decoding).
+    # Off by default: on the H100 a budget bounded the 64-stream inter-token tail but cost the first token
+    # (docs/performance.md, eleventh stop). 2048 is the measured compromise for a deployment that wants the tail.
     prefill_budget_tokens: int = Field(default=0, ge=0)
     # SGLang's own Prometheus series (per-token histograms observed on the worker's event loop). Off: the worker's
     # /metrics has its own TTFT, ITL and load series, and on the H100 turning these off (with KV events) took the
@@ -599,6 +606,7 @@ class SGLangEngine:
             yield GenerateOutput([], finish_reason=FinishReason.CANCELLED, prompt_tokens=len(request.token_ids))
             return
         finished = False
+        num_output_tokens = 0
         try:
             stream = await self._engine.async_generate(**kwargs)
             async for item in stream:
@@ -607,8 +615,9 @@ class SGLangEngine:
                 token_ids = list(item.get("output_ids") or [])
                 if not token_ids and reason is None:
                     continue  # an idle tick
-                if admission is not None:
-                    admission.release()  # its prefill is done (or it ended): the next share may go in
+                num_output_tokens += len(token_ids)
+                if admission is not None and (reason is not None or num_output_tokens >= RELEASE_AFTER_TOKENS):
+                    admission.release()  # a decode step ran after its prefill (or it ended): the next share may go in
                 finished = reason is not None
                 if finished and request.session is not None:
                     # Before the final output goes out: its reader stops reading there, and the next turn may come.
