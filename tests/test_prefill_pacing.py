@@ -129,6 +129,8 @@ async def test_sglang_gets_the_next_prompts_once_the_first_ones_took_a_decode_st
             for rid in ["r1", "r2", "r3", "r4"]}
     await _settle()
     assert sglang.submitted == ["r1", "r2"]  # 800 of 1000 tokens; a third would not fit
+    load = engine.load()
+    assert (load.waiting_requests, load.waiting_prompt_tokens) == (2, 800)  # held here, counted as SGLang's queue is
     sglang.step("r1")
     await _settle()
     assert sglang.submitted == ["r1", "r2"]  # r1's prefill is done, but no decode step has run after it yet

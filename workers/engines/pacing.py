@@ -62,6 +62,10 @@ class PrefillBudget:
     def num_waiting(self) -> int:
         return len(self._waiters)
 
+    @property
+    def waiting_tokens(self) -> int:
+        return sum(waiter.num_tokens for waiter in self._waiters)
+
     async def admit(self, request_id: str, num_tokens: int) -> Admission:
         """Wait for this request's share of the budget; raises `Withdrawn` if `withdraw(request_id)` came first."""
         num_tokens = max(0, num_tokens)

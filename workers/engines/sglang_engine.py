@@ -34,6 +34,7 @@ import random
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -673,7 +674,12 @@ class SGLangEngine:
         return [list(item["embedding"]) for item in items]
 
     def load(self) -> EngineLoad:
-        return self._load
+        paced = self._prefill_budget
+        if paced is None or not paced.num_waiting:
+            return self._load
+        # Requests held for a prefill share wait as SGLang's own queue does: the router and /metrics count them.
+        return replace(self._load, waiting_requests=self._load.waiting_requests + paced.num_waiting,
+                       waiting_prompt_tokens=self._load.waiting_prompt_tokens + paced.waiting_tokens)
 
     async def _refresh_load(self) -> None:
         while True:
