@@ -604,6 +604,8 @@ class SGLangEngine:
         try:
             admission = await self._admit(request)
         except Withdrawn:  # cancelled while it waited for its share: SGLang never saw it
+            if request.session is not None:
+                await self._end_turn(request, completed=False)  # a closing turn still closes its session
             yield GenerateOutput([], finish_reason=FinishReason.CANCELLED, prompt_tokens=len(request.token_ids))
             return
         finished = False
