@@ -59,6 +59,13 @@ def opened(png: bytes | str) -> Image.Image:
     return image
 
 
+def pixel_difference(first: bytes | str, second: bytes | str) -> float:
+    """Mean absolute difference of two images' RGB values (0-255)."""
+    a, b = opened(first).convert("RGB").tobytes(), opened(second).convert("RGB").tobytes()
+    assert len(a) == len(b)
+    return sum(abs(x - y) for x, y in zip(a, b, strict=True)) / len(a)
+
+
 async def test_images_come_back_as_pngs_with_progress_and_reproduce_from_their_seed(bus: Bus, tmp_path: Path) -> None:
     async with running_workers(bus, specs(ImageStorage(tmp_path.as_uri())), model=MODEL, mode=ServingMode.IMAGE):
         pair, result, steps = await generate(bus, n=2, seed=11)
@@ -70,7 +77,10 @@ async def test_images_come_back_as_pngs_with_progress_and_reproduce_from_their_s
     assert opened(pair[0]).mode == "RGB"
     assert steps == [1, 2, 3]
     assert (result.num_images, result.width, result.height, result.seed) == (2, 64, 64, 11)
-    assert again[0] == pair[0] and other[0] != pair[0] and pair[1] != pair[0]  # image i is drawn with seed + i
+    # Image i is drawn with seed + i: the same seed gives the same picture whether it came alone or in a pair (a batch
+    # of two can round a few pixels apart, as torch's kernels differ by batch size), another seed another picture.
+    assert pixel_difference(again[0], pair[0]) < 0.05
+    assert pixel_difference(other[0], pair[0]) > 10.0 and pixel_difference(pair[1], pair[0]) > 10.0
     assert opened(drawn[0]).size == (256, 256) == (drawn_result.width, drawn_result.height)
     assert drawn_result.seed >= 0  # drawn by the processor, reported so the image can be made again
     for url in stored:
