@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch
-from schemas.kv_hashing import chain_hashes
+from schemas.kv_hashing import iter_chain_hashes
 
 
 @dataclass(slots=True)
@@ -91,7 +91,7 @@ class KvIndex:
             for worker in candidates:
                 active |= self._bit(worker.slot)
             depth = 0
-            for block in chain_hashes(token_ids, block_size, lora_name):
+            for block in iter_chain_hashes(token_ids, block_size, lora_name):
                 held = active & self._holders.get(block, 0)
                 self._record(active & ~held, depth, names, overlaps)
                 active = held

@@ -10,6 +10,7 @@ the adapter's root (`lora_root`) as key[-1], so the two never share a block.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 
 import xxhash
 
@@ -30,11 +31,15 @@ def lora_root(lora_name: str | None) -> int | None:
     return xxhash.xxh3_64_intdigest(b"lora:" + lora_name.encode(), seed=_HASH_SEED)
 
 
-def chain_hashes(token_ids: list[int], block_size: int, lora_name: str | None = None) -> list[int]:
-    """Keys of every full block of `token_ids` (run with the adapter `lora_name`, if any)."""
-    keys: list[int] = []
+def iter_chain_hashes(token_ids: list[int], block_size: int, lora_name: str | None = None) -> Iterator[int]:
+    """Keys of the full blocks of `token_ids` in order, computed as they are read: a prefix match that stops at the
+    first unknown block hashes no further."""
     parent = lora_root(lora_name)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = block_hash(parent, token_ids[start : start + block_size])
-        keys.append(parent)
-    return keys
+        yield parent
+
+
+def chain_hashes(token_ids: list[int], block_size: int, lora_name: str | None = None) -> list[int]:
+    """Keys of every full block of `token_ids` (run with the adapter `lora_name`, if any)."""
+    return list(iter_chain_hashes(token_ids, block_size, lora_name))

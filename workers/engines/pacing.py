@@ -33,7 +33,7 @@ class _Waiter:
 
 
 class Admission:
-    """A granted share: `release()` once the request's first token is out (or it ended); releasing twice is a no-op."""
+    """A granted share: `release()` once the request has started decoding (or ended); releasing twice is a no-op."""
 
     __slots__ = ("_budget", "num_tokens", "_released")
 

@@ -35,6 +35,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
+from itertools import takewhile
 from pathlib import Path
 from typing import Any, Literal
 
@@ -44,7 +45,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
-from schemas.kv_hashing import block_hash
+from schemas.kv_hashing import block_hash, iter_chain_hashes
 from workers.engines.network import advertised_host
 from workers.engines.pacing import Admission, PrefillBudget, Withdrawn
 from schemas.registry import BootstrapEndpoint
@@ -407,14 +408,8 @@ class BlockKeys:
 
     def cached_prefix_tokens(self, token_ids: list[int], block_size: int) -> int:
         """Tokens of the prompt's longest prefix whose blocks the engine holds (as far as its events said)."""
-        parent: int | None = None
-        num_blocks = 0
-        for start in range(0, len(token_ids) - block_size + 1, block_size):
-            parent = block_hash(parent, token_ids[start : start + block_size])
-            if parent not in self._held:
-                break
-            num_blocks += 1
-        return num_blocks * block_size
+        held = takewhile(self._held.__contains__, iter_chain_hashes(token_ids, block_size))
+        return sum(1 for _ in held) * block_size
 
     def translate(self, event: KvEvent) -> KvEvent | None:
         """The event in our keys; None when nothing of it can be translated."""
