@@ -31,15 +31,14 @@ class Registration:
     """This worker's card in the bucket: written now, refreshed every third of the TTL, removed
     by `close()`. `update()` replaces the card (readiness, KV usage) without a gap.
 
-    A write that fails (NATS away, or back without the bucket: a server restarted with a fresh store)
-    makes the next one declare the bucket again through `reopen`, so the card comes back by itself.
+    A put that fails (NATS away, or back without the bucket: a server restarted with a fresh store)
+    declares the bucket again through `reopen` and puts once more, so the card comes back by itself.
     """
 
     def __init__(self, bucket: KeyValue, card: WorkerCard, ttl_s: float,
                  reopen: Callable[[], Awaitable[KeyValue]] | None = None) -> None:
         self._bucket = bucket
         self._reopen = reopen
-        self._reopen_needed = False
         self.card = card
         self._refresh_s = ttl_s / 3
         self._task: asyncio.Task[None] | None = None
@@ -70,14 +69,17 @@ class Registration:
         await self._write()
 
     async def _write(self) -> None:
-        if self._reopen_needed and self._reopen is not None:
-            self._bucket = await self._reopen()
-            self._reopen_needed = False
         try:
             await self._bucket.put(self.card.worker_id, encode(self.card))
         except Exception:
-            self._reopen_needed = True
-            raise
+            if self._reopen is None:
+                raise
+            # The bucket may be gone (a server back with a fresh store): declare it again and write once more.
+            # Declared only after a failed put, never before one: while a cluster re-elects, declaring waits on
+            # the meta leader for longer than a beat, and a card that waited for it every beat lapsed although
+            # the bucket's own new leader took puts (a registry leader's node lost, on a loaded machine).
+            self._bucket = await self._reopen()
+            await self._bucket.put(self.card.worker_id, encode(self.card))
 
     async def _refresh_loop(self) -> None:
         while not await sleep_unless(self._closing, self._refresh_s):

@@ -6,6 +6,8 @@ import asyncio
 import os
 import time
 
+from nats.js.api import KeyValueConfig
+
 from bus.registry import Registration, live_workers, ready_models
 from schemas.codec import WIRE_VERSION, encode
 from schemas.registry import ServingMode, Stage, WorkerCard
@@ -41,6 +43,34 @@ async def test_heartbeats_keep_a_card_alive_past_the_ttl(bus: Bus) -> None:
     try:
         await asyncio.sleep(bus.settings.registry_ttl_s + 0.5)
         assert [c.worker_id for c in await live_workers(bus.registry)] == ["alive-1"]
+    finally:
+        await registration.close()
+
+
+async def test_a_card_comes_back_once_its_bucket_takes_puts_though_declaring_it_hangs(bus: Bus) -> None:
+    # A cluster that lost the registry's leader node: the bucket's new leader takes puts again before the meta
+    # leader answers declarations. The card must not wait for a declaration every beat (it lapsed in CI that way).
+    config = KeyValueConfig(bucket=f"{bus.names.namespace}-cards", ttl=bus.settings.registry_ttl_s, history=1)
+    bucket = await bus.js.create_key_value(config)
+    declarations = 0
+
+    async def declare_never_answers() -> object:
+        nonlocal declarations
+        declarations += 1
+        await asyncio.sleep(3600)
+
+    registration = Registration(bucket, card("decode-1", Stage.DECODE), bus.settings.registry_ttl_s,
+                                reopen=declare_never_answers)
+    await registration.open()
+    try:
+        await bus.js.delete_key_value(config.bucket)  # puts now fail, and the failed beat declares (in vain)
+        deadline_s = time.monotonic() + 2 * bus.settings.registry_ttl_s
+        while declarations == 0 and time.monotonic() < deadline_s:
+            await asyncio.sleep(0.05)
+        assert declarations >= 1
+        await bus.js.create_key_value(config)  # the bucket takes puts again; nothing answers a declaration
+        await asyncio.sleep(bus.settings.registry_ttl_s / 3 * 2 + 0.5)  # two beats
+        assert [c.worker_id for c in await live_workers(bucket)] == ["decode-1"]
     finally:
         await registration.close()
 
