@@ -59,6 +59,23 @@ async def test_a_prompt_longer_than_the_budget_goes_alone() -> None:
     assert budget.pending_tokens == 0 and budget.num_pending == 0
 
 
+async def test_at_a_rate_requests_go_in_one_at_a_time_each_its_tokens_time_after_the_last() -> None:
+    budget = PrefillBudget(1, rate_tokens_per_s=2000)  # 100 tokens: 50 ms
+    admitted_at_s: dict[str, float] = {}
+
+    async def arrive(name: str) -> None:
+        admission = await budget.admit(name, 100)
+        admitted_at_s[name] = asyncio.get_running_loop().time()
+        admission.release()  # decoding at once changes nothing: the share is held for its time
+
+    await asyncio.wait_for(asyncio.gather(*(arrive(name) for name in "abc")), timeout=5)
+    assert sorted(admitted_at_s, key=admitted_at_s.__getitem__) == ["a", "b", "c"]
+    assert admitted_at_s["b"] - admitted_at_s["a"] >= 0.045
+    assert admitted_at_s["c"] - admitted_at_s["b"] >= 0.045
+    await asyncio.sleep(0.06)
+    assert budget.pending_tokens == 0 and budget.num_pending == 0  # c's share ran out too
+
+
 async def test_a_withdrawn_request_stops_waiting_and_lets_the_next_in() -> None:
     budget = PrefillBudget(100)
     held = await budget.admit("held", 90)
@@ -144,6 +161,25 @@ async def test_sglang_gets_the_next_prompts_once_the_first_ones_took_a_decode_st
         sglang.step(rid, num_steps)
     outputs = {rid: await run for rid, run in runs.items()}
     assert all([o.token_ids for o in out] == [[7], [8], [9]] for out in outputs.values())
+
+
+async def test_at_a_rate_sglang_gets_the_next_prompt_after_the_last_ones_tokens_time_not_at_its_tokens() -> None:
+    engine = SGLangEngine(SGLangEngineConfig(model_path="/models/x", prefill_rate_tokens_per_s=4000))
+    engine._engine = sglang = _StandInSGLang()
+    started_s = asyncio.get_running_loop().time()
+    runs = {rid: asyncio.create_task(_collect(engine, GenerateRequest(rid, list(range(200))))) for rid in ["r1", "r2"]}
+    await _settle()
+    assert sglang.submitted == ["r1"]
+    sglang.step("r1", 2)  # decoding already: at a rate, that does not let r2 in
+    await _settle()
+    assert sglang.submitted == ["r1"]
+    while len(sglang.submitted) < 2:
+        await asyncio.sleep(0.005)
+    assert asyncio.get_running_loop().time() - started_s >= 0.045  # 200 tokens at 4000 per second
+    sglang.step("r1", 1)
+    sglang.step("r2", 3)
+    outputs = [await run for run in runs.values()]
+    assert all([o.token_ids for o in out] == [[7], [8], [9]] for out in outputs)
 
 
 async def test_a_request_cancelled_while_it_waits_ends_cancelled_without_reaching_sglang() -> None:

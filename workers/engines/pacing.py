@@ -8,6 +8,11 @@ budget, the engine gets at most a budget's worth of prompt; the next share goes 
 decoding (the engine adapter releases a share at its requests' second token), so decode steps run between shares.
 What it costs is the first token of a burst's later requests: docs/performance.md, eleventh stop, has both.
 
+At a rate instead (`rate_tokens_per_s`), a share is the engine's for as long as its tokens take at that rate, whatever
+its requests do: admissions are spread in time the way SGLang's own server spreads a burst, by tokenizing one prompt
+after another in its HTTP process (about 4 ms for a 576-token prompt on the H100 machine). With a budget of one token,
+requests go in one at a time, each `num_tokens / rate` after the last.
+
 Rules: shares are granted in arrival order (a long prompt is not overtaken for ever by short ones); a prompt longer
 than the budget goes alone; tokens the engine already holds in its prefix cache are the caller's to leave out of the
 count (they cost no prefill). A waiting request can be withdrawn (its client cancelled) without ever reaching the
@@ -33,26 +38,35 @@ class _Waiter:
 
 
 class Admission:
-    """A granted share: `release()` once the request has started decoding (or ended); releasing twice is a no-op."""
+    """A granted share: `release()` once the request has started decoding (or ended); releasing twice is a no-op.
+    A share granted at a rate is released by its timer alone, and `release()` does nothing."""
 
-    __slots__ = ("_budget", "num_tokens", "_released")
+    __slots__ = ("_budget", "num_tokens", "_released", "timed")
 
-    def __init__(self, budget: PrefillBudget, num_tokens: int) -> None:
+    def __init__(self, budget: PrefillBudget, num_tokens: int, timed: bool = False) -> None:
         self._budget = budget
         self.num_tokens = num_tokens
         self._released = False
+        self.timed = timed
 
     def release(self) -> None:
+        if not self.timed:
+            self._expire()
+
+    def _expire(self) -> None:
         if not self._released:
             self._released = True
             self._budget._give_back(self.num_tokens)
 
 
 class PrefillBudget:
-    def __init__(self, budget_tokens: int) -> None:
+    def __init__(self, budget_tokens: int, rate_tokens_per_s: float = 0.0) -> None:
         if budget_tokens < 1:
             raise ValueError("a prefill budget is at least one token")
+        if rate_tokens_per_s < 0:
+            raise ValueError("a prefill rate is positive (or 0: shares released by the caller)")
         self.budget_tokens = budget_tokens
+        self.rate_tokens_per_s = rate_tokens_per_s
         # Granted and not yet released: tokens, and the requests holding them.
         self.pending_tokens = 0
         self.num_pending = 0
@@ -71,7 +85,7 @@ class PrefillBudget:
         num_tokens = max(0, num_tokens)
         if not self._waiters and self._fits(num_tokens):
             self._grant(num_tokens)
-            return Admission(self, num_tokens)
+            return self._admission(num_tokens)
         waiter = _Waiter(request_id, num_tokens)
         self._waiters.append(waiter)
         try:
@@ -83,7 +97,7 @@ class PrefillBudget:
                 self._waiters.remove(waiter)
                 self._wake()  # it may have been the head that held the others back
             raise
-        return Admission(self, num_tokens)
+        return self._admission(num_tokens)
 
     def withdraw(self, request_id: str) -> bool:
         """End a waiting request's wait with `Withdrawn`; False when it is not waiting (granted, or unknown)."""
@@ -94,6 +108,13 @@ class PrefillBudget:
                 self._wake()
                 return True
         return False
+
+    def _admission(self, num_tokens: int) -> Admission:
+        if not self.rate_tokens_per_s:
+            return Admission(self, num_tokens)
+        admission = Admission(self, num_tokens, timed=True)
+        asyncio.get_running_loop().call_later(num_tokens / self.rate_tokens_per_s, admission._expire)
+        return admission
 
     def _fits(self, num_tokens: int) -> bool:
         return self.num_pending == 0 or self.pending_tokens + num_tokens <= self.budget_tokens

@@ -102,6 +102,10 @@ class SGLangEngineConfig(BaseSettings):
     # Off by default: on the H100 a budget bounded the 64-stream inter-token tail but cost the first token
     # (docs/performance.md, eleventh stop). 2048 is the measured compromise for a deployment that wants the tail.
     prefill_budget_tokens: int = Field(default=0, ge=0)
+    # Or at a rate: prompt tokens per second handed to SGLang, each share held for its tokens' time at that rate
+    # rather than until its second token (with no budget set, one request at a time: the spread SGLang's own
+    # server gives a burst by tokenizing one prompt after another). 0: off.
+    prefill_rate_tokens_per_s: float = Field(default=0.0, ge=0.0)
     # SGLang's own Prometheus series (per-token histograms observed on the worker's event loop). Off: the worker's
     # /metrics has its own TTFT, ITL and load series, and on the H100 turning these off (with KV events) took the
     # inter-token gap at 1 stream from 2.38 ms to 1.79 ms (docs/performance.md).
@@ -524,8 +528,10 @@ class SGLangEngine:
         self._lora_lock = asyncio.Lock()
         # Open sessions -> the request id of their last finished turn (the node the next turn continues from).
         self._sessions: dict[str, str | None] = {}
-        paces = config.prefill_budget_tokens > 0 and config.role == DisaggregationRole.NONE
-        self._prefill_budget = PrefillBudget(config.prefill_budget_tokens) if paces else None
+        paces = (config.prefill_budget_tokens > 0 or config.prefill_rate_tokens_per_s > 0) \
+            and config.role == DisaggregationRole.NONE
+        self._prefill_budget = PrefillBudget(max(1, config.prefill_budget_tokens),
+                                             config.prefill_rate_tokens_per_s) if paces else None
 
     @property
     def info(self) -> EngineInfo:
