@@ -12,7 +12,7 @@ import pytest
 
 from schemas.replies import FinishReason
 from schemas.tasks import BootstrapInfo
-from workers.engines.pacing import PrefillBudget, PrefillRate, Withdrawn
+from workers.engines.pacing import PrefillBudget, Withdrawn
 from workers.engines.protocol import DisaggregationRole, GenerateRequest
 from workers.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
 
@@ -57,40 +57,6 @@ async def test_a_prompt_longer_than_the_budget_goes_alone() -> None:
     assert budget.pending_tokens == 10 and budget.num_pending == 1
     second.release()
     assert budget.pending_tokens == 0 and budget.num_pending == 0
-
-
-async def _admission_times_s(pacer: PrefillRate, arrivals: list[tuple[str, int]]) -> dict[str, float]:
-    loop = asyncio.get_running_loop()
-    started_s = loop.time()
-    admitted_at_s: dict[str, float] = {}
-
-    async def arrive(name: str, num_tokens: int) -> None:
-        admission = await pacer.admit(name, num_tokens)
-        admitted_at_s[name] = loop.time() - started_s
-        admission.release()  # decoding at once changes nothing at a rate
-
-    await asyncio.wait_for(asyncio.gather(*(arrive(name, n) for name, n in arrivals)), timeout=5)
-    return admitted_at_s
-
-
-async def test_at_a_rate_with_no_burst_requests_go_in_one_at_a_time_each_its_tokens_time_after_the_last() -> None:
-    at_s = await _admission_times_s(PrefillRate(2000), [("a", 100), ("b", 200), ("c", 100)])  # 100 tokens: 50 ms
-    assert sorted(at_s, key=at_s.__getitem__) == ["a", "b", "c"]
-    assert at_s["a"] < 0.02
-    assert at_s["b"] - at_s["a"] >= 0.045  # a's 100 tokens
-    assert at_s["c"] - at_s["b"] >= 0.095  # b's 200
-
-
-async def test_at_a_rate_a_burst_goes_in_at_once_and_the_rest_at_the_rate() -> None:
-    rate = PrefillRate(2000, burst_tokens=300)
-    at_s = await _admission_times_s(rate, [("a", 100), ("b", 100), ("c", 100), ("d", 100), ("e", 100)])
-    assert max(at_s["a"], at_s["b"], at_s["c"]) < 0.02  # the burst
-    assert at_s["d"] >= 0.045 and at_s["e"] - at_s["d"] >= 0.045  # then 100 tokens per 50 ms
-    withdrawn = asyncio.create_task(rate.admit("f", 100))
-    await asyncio.sleep(0)
-    assert rate.num_waiting == 1 and rate.withdraw("f")
-    with pytest.raises(Withdrawn):
-        await withdrawn
 
 
 async def test_a_withdrawn_request_stops_waiting_and_lets_the_next_in() -> None:
@@ -178,25 +144,6 @@ async def test_sglang_gets_the_next_prompts_once_the_first_ones_took_a_decode_st
         sglang.step(rid, num_steps)
     outputs = {rid: await run for rid, run in runs.items()}
     assert all([o.token_ids for o in out] == [[7], [8], [9]] for out in outputs.values())
-
-
-async def test_at_a_rate_sglang_gets_the_next_prompt_after_the_last_ones_tokens_time_not_at_its_tokens() -> None:
-    engine = SGLangEngine(SGLangEngineConfig(model_path="/models/x", prefill_rate_tokens_per_s=4000))
-    engine._engine = sglang = _StandInSGLang()
-    started_s = asyncio.get_running_loop().time()
-    runs = {rid: asyncio.create_task(_collect(engine, GenerateRequest(rid, list(range(200))))) for rid in ["r1", "r2"]}
-    await _settle()
-    assert sglang.submitted == ["r1"]
-    sglang.step("r1", 2)  # decoding already: at a rate, that does not let r2 in
-    await _settle()
-    assert sglang.submitted == ["r1"]
-    while len(sglang.submitted) < 2:
-        await asyncio.sleep(0.005)
-    assert asyncio.get_running_loop().time() - started_s >= 0.045  # 200 tokens at 4000 per second
-    sglang.step("r1", 1)
-    sglang.step("r2", 3)
-    outputs = [await run for run in runs.values()]
-    assert all([o.token_ids for o in out] == [[7], [8], [9]] for out in outputs)
 
 
 async def test_a_request_cancelled_while_it_waits_ends_cancelled_without_reaching_sglang() -> None:

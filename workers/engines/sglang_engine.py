@@ -47,7 +47,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from schemas.kv_hashing import block_hash, iter_chain_hashes
 from workers.engines.network import advertised_host
-from workers.engines.pacing import Admission, PrefillBudget, PrefillRate, Withdrawn
+from workers.engines.pacing import Admission, PrefillBudget, Withdrawn
 from schemas.registry import BootstrapEndpoint
 from schemas.replies import FinishReason, TokenLogprob, TopLogprob
 from workers.engines.events import KvEventFanout
@@ -102,10 +102,6 @@ class SGLangEngineConfig(BaseSettings):
     # Off by default: on the H100 a budget bounded the 64-stream inter-token tail but cost the first token
     # (docs/performance.md, eleventh stop). 2048 is the measured compromise for a deployment that wants the tail.
     prefill_budget_tokens: int = Field(default=0, ge=0)
-    # Or at a rate: prompt tokens per second handed to SGLang whatever its output says, after a burst of up to the
-    # budget at once (none: one request at a time, each its tokens' time after the last). That is the spread SGLang's
-    # own server gives a burst by tokenizing one prompt after another. 0: off.
-    prefill_rate_tokens_per_s: float = Field(default=0.0, ge=0.0)
     # SGLang's own Prometheus series (per-token histograms observed on the worker's event loop). Off: the worker's
     # /metrics has its own TTFT, ITL and load series, and on the H100 turning these off (with KV events) took the
     # inter-token gap at 1 stream from 2.38 ms to 1.79 ms (docs/performance.md).
@@ -507,19 +503,6 @@ class KvEventRelay:
         return KvEventBatchOut(events=events, ts=batch.ts, data_parallel_rank=batch.data_parallel_rank)
 
 
-def _pacer_of(config: SGLangEngineConfig) -> PrefillBudget | PrefillRate | None:
-    """How an engine paces prompts into SGLang (workers/engines/pacing.py): at a rate, by a budget, or not at all.
-    Only an aggregated engine paces: a decode engine's prompts arrive as KV, and a prefill engine has no streams to
-    keep decoding."""
-    if config.role != DisaggregationRole.NONE:
-        return None
-    if config.prefill_rate_tokens_per_s > 0:
-        return PrefillRate(config.prefill_rate_tokens_per_s, burst_tokens=config.prefill_budget_tokens)
-    if config.prefill_budget_tokens > 0:
-        return PrefillBudget(config.prefill_budget_tokens)
-    return None
-
-
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
@@ -541,7 +524,8 @@ class SGLangEngine:
         self._lora_lock = asyncio.Lock()
         # Open sessions -> the request id of their last finished turn (the node the next turn continues from).
         self._sessions: dict[str, str | None] = {}
-        self._pacer = _pacer_of(config)
+        paces = config.prefill_budget_tokens > 0 and config.role == DisaggregationRole.NONE
+        self._prefill_budget = PrefillBudget(config.prefill_budget_tokens) if paces else None
 
     @property
     def info(self) -> EngineInfo:
@@ -661,15 +645,15 @@ class SGLangEngine:
     async def _admit(self, request: GenerateRequest) -> Admission | None:
         """This request's share of the prefill budget (None: not paced). What SGLang's prefix cache holds, as its
         KV events told, is not counted: it costs no prefill."""
-        if self._pacer is None:
+        if self._prefill_budget is None:
             return None
         num_tokens = len(request.token_ids)
         if self._relay is not None and self.config.page_size and request.lora_name is None:
             num_tokens -= self._relay.keys.cached_prefix_tokens(request.token_ids, self.config.page_size)
-        return await self._pacer.admit(request.request_id, num_tokens)
+        return await self._prefill_budget.admit(request.request_id, num_tokens)
 
     async def abort(self, request_id: str) -> None:
-        if self._pacer is not None and self._pacer.withdraw(request_id):
+        if self._prefill_budget is not None and self._prefill_budget.withdraw(request_id):
             return
         if self._engine is not None:
             self._engine.tokenizer_manager.abort_request(rid=request_id)
@@ -687,7 +671,7 @@ class SGLangEngine:
         return [list(item["embedding"]) for item in items]
 
     def load(self) -> EngineLoad:
-        paced = self._pacer
+        paced = self._prefill_budget
         if paced is None or not paced.num_waiting:
             return self._load
         # Requests held for a prefill share wait as SGLang's own queue does: the router and /metrics count them.
