@@ -502,6 +502,17 @@ def profile(args: argparse.Namespace, servers: Servers, conveyor_url: str, out_d
     return result
 
 
+CONTROL = "sglang-control"
+# Past any round index: a control run never shares a seed, and so a prompt, with another run of its level.
+CONTROL_SEED_OFFSET = 50_000
+
+
+def round_order(systems: list[str], round_index: int) -> list[str]:
+    """Who runs first turns over from round to round, so that no system is always measured after the same other."""
+    shift = round_index % len(systems)
+    return systems[shift:] + systems[:shift]
+
+
 def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Each measure's median over the rounds (a tail latency is not taken from the round of the median tok/s)."""
     return {key: statistics.median(row[key] for row in rows) for key in rows[0]
@@ -517,8 +528,8 @@ def tail_by_round(rows: list[dict[str, Any]]) -> str:
 def print_table(report: dict[str, Any]) -> None:
     """Each system's median round, its ratios to the server's, and the tok/s ratio of each round (the two
     systems of one round ran back to back, so a round's ratio is the least noisy figure)."""
-    systems = [s for s in ("sglang", "conveyor", "conveyor-nats") if s in next(iter(report["levels"].values()))]
-    print("\nconc | system        |  tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
+    systems = [s for s in ("sglang", CONTROL, "conveyor", "conveyor-nats") if s in next(iter(report["levels"].values()))]
+    print("\nconc | system         |  tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
           "vs sglang: tok/s, TTFT p50, TTFT p99, ITL p50, ITL p99 | tok/s ratio by round")
     for level, by_system in report["levels"].items():
         base = by_system["sglang"]
@@ -531,7 +542,7 @@ def print_table(report: dict[str, Any]) -> None:
                 rounds = by_system.get("rounds", {})
                 by_round = ", ".join(f"{mine['output_throughput'] / theirs['output_throughput']:.2f}×"
                                      for mine, theirs in zip(rounds.get(system, []), rounds.get("sglang", [])))
-            print(f"{level:>4} | {system:<13} | {row['output_throughput']:>6.0f} | {row['median_ttft_ms']:>7.1f} / "
+            print(f"{level:>4} | {system:<14} | {row['output_throughput']:>6.0f} | {row['median_ttft_ms']:>7.1f} / "
                   f"{row['p99_ttft_ms']:>7.1f} | {row['median_itl_ms']:>6.2f} / {row.get('p99_itl_ms', 0):>6.2f} | "
                   f"{ratio} | {by_round}")
         rounds = by_system.get("rounds", {})
@@ -541,8 +552,9 @@ def print_table(report: dict[str, Any]) -> None:
             print(f"{level:>4} | TTFT p50 added by Conveyor, median over rounds of each round's difference: "
                   f"{statistics.median(added):+.1f} ms (rounds: {', '.join(f'{value:+.1f}' for value in added)})")
         if rounds.get("conveyor") and rounds.get("sglang"):
+            control = f"; {CONTROL} {tail_by_round(rounds[CONTROL])}" if rounds.get(CONTROL) else ""
             print(f"{level:>4} | ITL p99 ms by round (TTFT p50 ms): sglang {tail_by_round(rounds['sglang'])}; "
-                  f"conveyor {tail_by_round(rounds['conveyor'])}")
+                  f"conveyor {tail_by_round(rounds['conveyor'])}{control}")
         if "decode_p99_itl_ms" in by_system.get("conveyor", {}):
             print(f"{level:>4} | ITL p99 as the decode worker saw tokens leave the engine (before the bus): "
                   f"{by_system['conveyor']['decode_p99_itl_ms']:.2f} ms")
@@ -554,6 +566,8 @@ def warm_up(args: argparse.Namespace, client: ServingClient, urls: dict[str, str
     pools grown for every batch size the levels reach, so the first level measured is not the one paying for it."""
     level = max(args.concurrency)
     for system, url in urls.items():
+        if system == CONTROL:
+            continue  # the server, warmed up already
         warm = argparse.Namespace(**{**vars(args), "prompts_per_stream": 1, "min_prompts": 1})
         row = bench_http(warm, client, url, level, seed=7, out=logs / f"{system}-warmup.jsonl")
         say(f"warm-up c={level} {system} (discarded): {row['output_throughput']:.0f} tok/s")
@@ -606,17 +620,21 @@ def run(args: argparse.Namespace) -> None:
     try:
         urls = {"sglang": args.sglang_url or servers.start_sglang()}
         urls["conveyor"] = args.conveyor_url or servers.start_conveyor()
+        if args.control:
+            urls[CONTROL] = urls["sglang"]
         report["start_s"] = round(time.monotonic() - started, 1)
         if args.warmup:
             warm_up(args, client, urls, logs)
         for level in args.concurrency:
             runs: dict[str, list[dict[str, Any]]] = {}
             for round_index in range(args.rounds):
-                order = ["sglang", "conveyor"] if round_index % 2 == 0 else ["conveyor", "sglang"]
+                order = round_order(list(urls), round_index)
                 seed = args.seed_base + 100 * level + round_index
                 for system in order:
                     before = itl_buckets() if system == "conveyor" else {}
-                    row = bench_http(args, client, urls[system], level, seed, logs / f"{system}.jsonl")
+                    # The control's prompts are its own: the server it measures again has the round's prompts cached.
+                    own_seed = seed + CONTROL_SEED_OFFSET if system == CONTROL else seed
+                    row = bench_http(args, client, urls[system], level, own_seed, logs / f"{system}.jsonl")
                     if before and (worker_p99 := bucket_quantile(before, itl_buckets(), 0.99)) is not None:
                         row["decode_p99_itl_ms"] = worker_p99
                     runs.setdefault(system, []).append(row)
@@ -712,6 +730,10 @@ def main() -> None:
     parser.add_argument("--sglang-url", help="An SGLang server already running (started by hand: see docs/gpu.md).")
     parser.add_argument("--conveyor-url", help="A Conveyor gateway already running (this script's `conveyor` mode, on this "
                         "machine: the profile finds its processes); no NATS clients then.")
+    parser.add_argument("--control", action="store_true",
+                        help="Measure the SGLang server a second time in every round, on prompts of its own "
+                             "(`sglang-control`): its ratios to the server are this run's noise floor, what two "
+                             "identical systems differ by at this many rounds.")
     parser.add_argument("--engine", default="sglang", help="Conveyor's engine (mock: check the harness without a GPU).")
     parser.add_argument("--decode-args", default="", help="More options for Conveyor's decode worker, as one string "
                         "(e.g. '--migration-limit 0 --coalesce-ms 2').")
