@@ -38,13 +38,13 @@ case "${1:-}" in
         name=${2:?"stack a or stack b"}
         shift 2
         case "$name" in
-            a) ports=(--conveyor-mem-fraction 0.4 --out /tmp/a) ;;
-            b) ports=(--conveyor-mem-fraction 0.5 --nats-port 4223 --gateway-port 8001 --metrics-port 9111 --out /tmp/b) ;;
+            a) options=(--conveyor-mem-fraction 0.4 --out /tmp/a) ;;
+            b) options=(--conveyor-mem-fraction 0.5 --nats-port 4223 --gateway-port 8001 --metrics-port 9111 --out /tmp/b) ;;
             *) echo "[gpu-hold] a stack is named a or b" >&2; exit 2 ;;
         esac
         mkdir -p "/tmp/$name"
         (env "$@" setsid nohup bash scripts/gpu_run.sh python3 scripts/bench_vs_sglang.py conveyor --model .gpu/smol \
-            --max-running-requests "$MAX_RUNNING" "${ports[@]}" > "/tmp/conveyor-$name.log" 2>&1 < /dev/null &)
+            --max-running-requests "$MAX_RUNNING" "${options[@]}" > "/tmp/conveyor-$name.log" 2>&1 < /dev/null &)
         wait_for "conveyor stack $name" 300 grep -q "ready at" "/tmp/conveyor-$name.log" \
             || { tail -20 "/tmp/conveyor-$name.log"; exit 1; }
         grep "ready at" "/tmp/conveyor-$name.log"
