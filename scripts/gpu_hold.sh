@@ -2,12 +2,14 @@
 # On the GPU machine: start and hold what scripts/bench_vs_sglang.py measures, so that a lease's calls go to
 # benchmarks (docs/gpu.md, "Several calls on one warm stack"). Each command returns once its part answers.
 #
-#   bash scripts/gpu_hold.sh server            SGLang's own server on :30000 (128 running requests, page 16)
+#   bash scripts/gpu_hold.sh server [ARG...]   SGLang's own server on :30000 (128 running requests, page 16); ARGs go
+#                                              to launch_server after ours, e.g. --log-level info
 #   bash scripts/gpu_hold.sh stack a [VAR=V]   a Conveyor stack: gateway :8000, metrics :9101 (decode :9102), 40% of the GPU
 #   bash scripts/gpu_hold.sh stack b [VAR=V]   a second one: gateway :8001, metrics :9111 (decode :9112), NATS :4223, 50%
 #
-# VAR=V settings go to the stack's environment, e.g. CONVEYOR_SGLANG_PREFILL_BUDGET_TOKENS=2048. Start the stacks
-# one after the other: SGLang sizes its pool from the memory it finds free. Logs: /tmp/sglang-server.log,
+# VAR=V settings go to the stack's environment, e.g. CONVEYOR_SGLANG_PREFILL_BUDGET_TOKENS=2048; DECODE_ARGS in
+# this script's own environment goes to the decode worker's command line, e.g. DECODE_ARGS='--migration-limit 0'.
+# Start the stacks one after the other: SGLang sizes its pool from the memory it finds free. Logs: /tmp/sglang-server.log,
 # /tmp/conveyor-<a|b>.log and /tmp/<a|b>/bench-vs-sglang-conveyor/. The server carries .gpu/sglang-site.tar.xz,
 # .gpu/sglang-server.tar.xz and .gpu/smol; a stack .gpu/conveyor-deps.tar.xz, .gpu/bin and .gpu/smol (one call each:
 # they do not fit one transfer).
@@ -27,10 +29,11 @@ wait_for() {  # wait_for WHAT SECONDS COMMAND...: poll until COMMAND succeeds
 
 case "${1:-}" in
     server)
+        shift
         bash scripts/gpu_run.sh true  # unpack first, so the held process does not race the next call's unpacking
         (setsid nohup bash scripts/gpu_run.sh python3 -m sglang.launch_server --model-path .gpu/smol \
             --load-format dummy --attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.35 \
-            --page-size 16 --host 127.0.0.1 --port 30000 --max-running-requests "$MAX_RUNNING" --log-level warning \
+            --page-size 16 --host 127.0.0.1 --port 30000 --max-running-requests "$MAX_RUNNING" --log-level warning "$@" \
             > /tmp/sglang-server.log 2>&1 < /dev/null &)
         wait_for "sglang server" 300 curl -sf http://127.0.0.1:30000/v1/models || { tail -20 /tmp/sglang-server.log; exit 1; }
         ;;
@@ -42,6 +45,7 @@ case "${1:-}" in
             b) options=(--conveyor-mem-fraction 0.5 --nats-port 4223 --gateway-port 8001 --metrics-port 9111 --out /tmp/b) ;;
             *) echo "[gpu-hold] a stack is named a or b" >&2; exit 2 ;;
         esac
+        if [ -n "${DECODE_ARGS:-}" ]; then options+=(--decode-args "$DECODE_ARGS"); fi
         mkdir -p "/tmp/$name"
         (env "$@" setsid nohup bash scripts/gpu_run.sh python3 scripts/bench_vs_sglang.py conveyor --model .gpu/smol \
             --max-running-requests "$MAX_RUNNING" "${options[@]}" > "/tmp/conveyor-$name.log" 2>&1 < /dev/null &)
