@@ -44,7 +44,7 @@ from schemas.codec import decode, decode_as, encode
 from schemas.replies import (
     REPLY_FRAME,
     AliveAnswer,
-    ChatCompletionChunk,
+    ChatChunkDelta,
     Embedding,
     EmbeddingResult,
     ErrorCode,
@@ -184,7 +184,7 @@ class ReplySender:
         text: str | None = None,
         logprobs: list[TokenLogprob] | None = None,
         index: int = 0,
-        openai: ChatCompletionChunk | None = None,
+        openai: ChatChunkDelta | None = None,
     ) -> None:
         if self._coalesce_window_s <= 0 or openai is not None:
             # An OpenAI chunk is a whole event for its client; it is not merged with others.
@@ -399,7 +399,7 @@ def _chunk_payload(request_id: str, seq: int, fields: dict[str, Any]) -> bytes:
         frame["logprobs"] = [item.model_dump(mode="python", exclude_none=True) for item in fields["logprobs"]]
     frame["index"] = fields.get("index", 0)
     if fields.get("openai") is not None:
-        frame["openai"] = fields["openai"].model_dump(mode="python", exclude_none=True)
+        frame["openai"] = fields["openai"].wire()
     return msgpack.packb(frame, use_bin_type=True)
 
 

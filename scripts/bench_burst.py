@@ -87,9 +87,9 @@ async def ready(client: PipelineClient, timeout_s: float = 120.0) -> None:
             await asyncio.sleep(2)
 
 
-async def burst(checkout: Checkout, client: PipelineClient, size: int, tokens: int) -> None:
+async def burst(checkout: Checkout, client: PipelineClient, size: int, tokens: int, chat: bool) -> None:
     before = checkout.cpu_now()
-    result = await measure(size, tokens, lambda n: pipeline_stream(client, n))
+    result = await measure(size, tokens, lambda n: pipeline_stream(client, n, chat))
     after = checkout.cpu_now()
     checkout.ttft_ms.append(result.ttft_ms)
     checkout.requests += size
@@ -116,12 +116,13 @@ async def main(args: argparse.Namespace) -> None:
                     + ", ".join(f"{c.name} = {c.root}" for c in checkouts))
                 for round_index in range(args.rounds):
                     for checkout in (checkouts if round_index % 2 == 0 else list(reversed(checkouts))):
-                        await burst(checkout, clients[checkout.name], args.burst, args.tokens)
+                        await burst(checkout, clients[checkout.name], args.burst, args.tokens, args.chat)
         finally:
             for checkout in checkouts:
                 checkout.stop()
     base = checkouts[-1]
-    print(f"\n{args.rounds} bursts of {args.burst} simultaneous requests, {args.tokens} tokens each, mock engine")
+    shape = "chat requests in OpenAI's chunk shape" if args.chat else "requests"
+    print(f"\n{args.rounds} bursts of {args.burst} simultaneous {shape}, {args.tokens} tokens each, mock engine")
     for checkout in checkouts:
         per_request_ms = {stage: 1000 * checkout.cpu_s[stage] / checkout.requests for stage in STAGES}
         line = (f"  {checkout.name:<8} TTFT {statistics.median(checkout.ttft_ms):6.1f} ms (median of bursts' medians); "
@@ -139,6 +140,8 @@ if __name__ == "__main__":
     parser.add_argument("--burst", type=int, default=64, help="requests sent at once")
     parser.add_argument("--tokens", type=int, default=4, help="new tokens per request (short: the bus's share shows)")
     parser.add_argument("--rounds", type=int, default=30, help="bursts per checkout, alternating which goes first")
+    parser.add_argument("--chat", action="store_true",
+                        help="chat requests streamed as OpenAI chunks, as the gateway sends them (default: token ids)")
     parser.add_argument("--against", help="another checkout of this repository to run side by side (e.g. a worktree "
                                           "of the commit before a change); its workers use this .venv")
     run_loop(main(parser.parse_args()))

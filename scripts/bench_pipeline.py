@@ -42,12 +42,13 @@ from bus.client import open_client  # noqa: E402
 from bus.registry import ready_models  # noqa: E402
 from bus.server import EmbeddedNatsServer  # noqa: E402
 from bus.settings import BusSettings, NatsSettings  # noqa: E402
-from schemas.client import CompletionRequest, StreamFormat  # noqa: E402
+from schemas.client import ChatMessage, ChatRequest, CompletionRequest, StreamFormat  # noqa: E402
 from schemas.sampling import StopConditions  # noqa: E402
 from workers.engines.mock import MockEngine, MockEngineConfig  # noqa: E402
 from workers.engines.protocol import GenerateRequest  # noqa: E402
 
 PROMPT = list(range(1000, 1128))  # 128 prompt tokens
+CHAT_PROMPT = "word " * 25  # a chat turn of 125 characters
 
 
 @dataclass
@@ -88,9 +89,15 @@ async def direct_stream(engine: MockEngine, tokens: int) -> StreamTiming:
     return StreamTiming(stamps[0] - started, [b - a for a, b in zip(stamps, stamps[1:])], len(stamps))
 
 
-async def pipeline_stream(client, tokens: int) -> StreamTiming:  # type: ignore[no-untyped-def]
-    request = CompletionRequest(request_id=f"p-{uuid.uuid4().hex[:12]}", reply_to=client.new_inbox(), model="mock",
-                                prompt=PROMPT, max_tokens=tokens, stream_format=StreamFormat.TOKENS)
+async def pipeline_stream(client, tokens: int, chat: bool = False) -> StreamTiming:  # type: ignore[no-untyped-def]
+    """One request through the pipeline; `chat`: a chat request streamed in OpenAI's chunk shape, as the gateway asks
+    for it (the decode worker then builds a `chat.completion.chunk` per token)."""
+    request_id, inbox = f"p-{uuid.uuid4().hex[:12]}", client.new_inbox()
+    request = (ChatRequest(request_id=request_id, reply_to=inbox, model="mock", max_tokens=tokens,
+                           messages=[ChatMessage(role="user", content=CHAT_PROMPT)], stream_format=StreamFormat.OPENAI)
+               if chat else
+               CompletionRequest(request_id=request_id, reply_to=inbox, model="mock", prompt=PROMPT, max_tokens=tokens,
+                                 stream_format=StreamFormat.TOKENS))
     started = time.perf_counter()
     stamps: list[float] = []
     async with await client.submit(request, first_frame_timeout_s=60) as stream:

@@ -15,7 +15,7 @@ import pytest
 
 from bus.errors import RemoteError, ReplyGap, ReplyStreamBroken
 from bus.replies import ReplySender
-from schemas.codec import encode
+from schemas.codec import decode, encode
 from schemas.replies import ErrorCode, FinalFrame, FinishReason, TokenChunk, Usage
 from tests.conftest import Bus
 from tests.helpers import open_stream
@@ -176,15 +176,25 @@ async def test_sender_learns_that_its_client_went_away(bus: Bus) -> None:
 
 def test_fast_chunk_encoding_matches_the_schema_encoding() -> None:
     from bus.replies import _chunk_payload
-    from schemas.replies import ChatChunkChoice, ChatCompletionChunk, ChatDelta, TokenLogprob, TopLogprob
+    from schemas.replies import ChatChunkChoice, ChatChunkDelta, ChatCompletionChunk, ChatDelta, TokenLogprob, TopLogprob
 
     logprobs = [TokenLogprob(token_id=5, logprob=-0.5, top=[TopLogprob(token_id=6, logprob=-1.0)])]
-    openai = ChatCompletionChunk(id="r", created=1, model="m", choices=[ChatChunkChoice(delta=ChatDelta(content="a"))])
     cases = [
-        {"token_ids": [1, 2]},
-        {"token_ids": [3], "text": "é", "index": 2},
-        {"token_ids": [5], "text": "x", "logprobs": logprobs, "openai": openai},
+        ({"token_ids": [1, 2]}, None),
+        ({"token_ids": [3], "text": "é", "index": 2}, None),
+        ({"token_ids": [5], "text": "x", "logprobs": logprobs},
+         ChatChunkDelta(id="r", created=1, model="m", content="x", role="assistant")),
+        ({"token_ids": [6], "text": "y", "index": 1}, ChatChunkDelta(id="r", created=1, model="m", index=1, content="y")),
+        ({"token_ids": [], "text": ""}, ChatChunkDelta(id="r", created=1, model="m", finish_reason="stop",
+                                                       usage=Usage.of(3, 4, cached_tokens=1))),
     ]
-    for fields in cases:
-        expected = encode(TokenChunk(request_id="r", seq=7, **fields))
-        assert _chunk_payload("r", 7, fields) == expected
+    for fields, delta in cases:
+        # What the sender holds (a delta) encodes to what the schema's model would: receivers validate it as one.
+        model = None if delta is None else ChatCompletionChunk(
+            id=delta.id, created=delta.created, model=delta.model, usage=delta.usage,
+            choices=[ChatChunkChoice(index=delta.index, finish_reason=delta.finish_reason,
+                                     delta=ChatDelta(role=delta.role, content=delta.content))])
+        expected = encode(TokenChunk(request_id="r", seq=7, openai=model, **fields))
+        assert _chunk_payload("r", 7, fields | ({"openai": delta} if delta else {})) == expected
+        if delta is not None:
+            assert decode(expected, TokenChunk).openai == model

@@ -53,7 +53,7 @@ from bus.metrics import (END_TO_END, INTER_TOKEN_LATENCY, MIGRATIONS, POOL_HANDO
 from bus.replies import ReplySender
 from schemas.client import StreamFormat
 from schemas.registry import Stage
-from schemas.replies import ChatChunkChoice, ChatCompletionChunk, ChatDelta, ErrorCode, FinishReason, Usage
+from schemas.replies import ChatChunkDelta, ErrorCode, FinishReason, Usage
 from schemas.sampling import SamplingOptions, StopConditions
 from schemas.tasks import DecodeTask, PrefillTask
 from workers.engines.protocol import (Engine, GenerateOutput, GenerateRequest, ResumedOutput, TransferFailed,
@@ -365,14 +365,12 @@ class _Shaper:
             return fields
         fields["text"] = output.text
         if self._format == StreamFormat.OPENAI:
-            delta = ChatDelta(role=None if self._sent_role else "assistant", content=output.text or None)
-            self._sent_role = True
-            fields["openai"] = ChatCompletionChunk(
-                id=self._request_id, created=self._created, model=self._model,
-                choices=[ChatChunkChoice(index=self._index, delta=delta,
-                                         finish_reason=final_reason.value if final_reason else None)],
-                usage=usage,
+            fields["openai"] = ChatChunkDelta(
+                id=self._request_id, created=self._created, model=self._model, index=self._index,
+                content=output.text or None, role=None if self._sent_role else "assistant",
+                finish_reason=final_reason.value if final_reason else None, usage=usage,
             )
+            self._sent_role = True
         return fields
 
 
