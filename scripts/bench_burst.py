@@ -5,8 +5,9 @@ Under a burst every request queues behind the others' work in each stage's one e
 costs the processor and the decode worker sets how long the last of a burst waits for its first token. One run starts
 an embedded nats-server and, per checkout, a processor and a decode worker on the mock engine (5 ms to the first
 token, then 10 ms a token) as their own processes, each checkout in its own namespace; then bursts of `--burst`
-short requests (`--chat`: chat requests streamed as OpenAI chunks, as the gateway asks) go to each in turn (alternating which goes first), and it prints per checkout the median of the
-bursts' TTFT medians and each worker's CPU time (from /proc) per request. Comparing a change with the commit before
+short requests go to each in turn (alternating which goes first), and it prints per checkout the median of the
+bursts' TTFT medians and each worker's CPU time (from /proc) per request. `--chat` sends chat requests streamed as
+OpenAI chunks, as the gateway asks for them, instead of token ids. Comparing a change with the commit before
 it (a worktree or clone of it as `--against`) measures the change on a noisy machine: both run at the same moments.
 
     .venv/bin/python scripts/bench_burst.py
