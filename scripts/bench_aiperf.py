@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_vs_sglang import round_order  # noqa: E402
+from bench_vs_sglang import median_row, round_order  # noqa: E402
 
 # The measures read from aiperf's summary (profile_export_aiperf.json): name in the table → (metric, statistic).
 MEASURES = {
@@ -94,8 +93,7 @@ def run_aiperf(args: argparse.Namespace, url: str, concurrency: int, seed: int, 
 def print_level(concurrency: int, rounds: dict[str, list[dict[str, float]]]) -> None:
     names = list(rounds)
     reference = names[0]
-    medians = {name: {key: statistics.median(row[key] for row in rows) for key in MEASURES}
-               for name, rows in rounds.items()}
+    medians = {name: median_row(rows) for name, rows in rounds.items()}
     print(f"\nconcurrency {concurrency}, {len(rounds[reference])} rounds (medians over rounds; ratio = system ÷ "
           f"{reference})")
     print(f"{'system':<10} | " + " | ".join(f"{key:>16}" for key in MEASURES))
