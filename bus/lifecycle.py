@@ -8,17 +8,18 @@ on an event, and stopping never waits unboundedly for a task to notice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import gc
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import structlog
 
-from bus.metrics import GC_PAUSE
+from bus.metrics import EVENT_LOOP_LAG, GC_PAUSE
 
 log = structlog.get_logger(__name__)
 
@@ -88,3 +89,22 @@ def _observe_gc(phase: str, info: dict[str, Any]) -> None:
         _gc_started_s = time.perf_counter()
     else:
         GC_PAUSE.labels(generation=str(info["generation"])).observe(time.perf_counter() - _gc_started_s)
+
+
+@contextlib.asynccontextmanager
+async def event_loop_lag_observed(interval_s: float = 0.1) -> AsyncIterator[None]:
+    """While open, a timer every `interval_s` records how late it fired into `conveyor_event_loop_lag_seconds`:
+    the wait of any callback that became ready meanwhile, a stream's next token included."""
+    task = asyncio.create_task(_observe_event_loop_lag(interval_s), name="event-loop-lag")
+    try:
+        yield
+    finally:
+        task.cancel()
+
+
+async def _observe_event_loop_lag(interval_s: float) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        due_s = loop.time() + interval_s
+        await asyncio.sleep(interval_s)
+        EVENT_LOOP_LAG.observe(max(0.0, loop.time() - due_s))

@@ -27,6 +27,10 @@ CANCELS = Counter("conveyor_cancels_total", "Cancels seen and acted on", ["where
 # A garbage collection stops the whole process, its event loop (and every stream's next token) included.
 GC_PAUSE = Histogram("conveyor_gc_pause_seconds", "Time one garbage collection stopped the process", ["generation"],
                      buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))
+# How late a timer fires on the process's event loop: what any ready callback (a token's next hop, a task's ack)
+# waits behind the others. Near the timer interval or more, the loop is saturated (docs/performance.md).
+EVENT_LOOP_LAG = Histogram("conveyor_event_loop_lag_seconds", "How late a timer fired on the process's event loop",
+                           buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))
 CLIENTS_GONE = Counter("conveyor_clients_gone_total", "Streams stopped because the client stopped answering")
 
 # Per-request serving metrics, observed by the stage that streams to the client.

@@ -40,6 +40,23 @@ def test_commands_run_on_uvloop_unless_asyncio_is_asked_for(monkeypatch) -> None
     assert run_loop(loop_module()).startswith("asyncio")
 
 
+async def test_a_blocked_event_loop_shows_in_the_lag_histogram() -> None:
+    import asyncio
+    import time
+
+    from bus.lifecycle import event_loop_lag_observed
+    from tests.helpers import metric
+
+    slow_before = metric("conveyor_event_loop_lag_seconds_count") - metric("conveyor_event_loop_lag_seconds_bucket", le="0.1")
+    async with event_loop_lag_observed(interval_s=0.02):
+        await asyncio.sleep(0.05)
+        time.sleep(0.3)  # a handler holding the loop: the timer fires ~0.28 s late
+        await asyncio.sleep(0.05)
+    slow_after = metric("conveyor_event_loop_lag_seconds_count") - metric("conveyor_event_loop_lag_seconds_bucket", le="0.1")
+    assert slow_after - slow_before == 1
+    assert metric("conveyor_event_loop_lag_seconds_sum") >= 0.25
+
+
 def test_smoke_command_streams_a_reply_through_an_embedded_server() -> None:
     completed = subprocess.run(
         [sys.executable, "-m", "workers.cli", "smoke", "one two three"],

@@ -60,6 +60,8 @@ async def test_models_lists_only_ready_models(bus: Bus) -> None:
         models = await sdk.models.list()
         async with aiohttp.ClientSession() as session, session.get(f"{base}/health") as health:
             assert health.status == 200 and (await health.json())["ready_models"] == [MOCK]
+        async with aiohttp.ClientSession() as session, session.get(f"{base}/metrics") as metrics:
+            assert metrics.status == 200 and "conveyor_event_loop_lag_seconds_bucket" in await metrics.text()
     assert [m.id for m in models.data] == [MOCK]
 
 

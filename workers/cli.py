@@ -592,7 +592,7 @@ def gateway(
 ) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) over the pipeline."""
     from bus.client import open_client
-    from bus.lifecycle import freeze_startup_objects
+    from bus.lifecycle import event_loop_lag_observed, freeze_startup_objects
     from workers.gateway import GatewayOptions, serving
 
     configure_logging(log_level)
@@ -609,7 +609,7 @@ def gateway(
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
-        async with open_client(nats_settings, bus_settings, "conveyor-gateway") as client:
+        async with open_client(nats_settings, bus_settings, "conveyor-gateway") as client, event_loop_lag_observed():
             async with serving(client, GatewayOptions(
                     host, port, first_token_timeout_s, reasoning_parser=reasoning_parser,
                     allow_lora_updates=allow_lora_updates, tool_call_parser=default_format,

@@ -37,7 +37,7 @@ from bus.cancel import CancelRegistry
 from bus.connection import connect
 from bus.consumer import ConsumerOptions, Delivery, WorkConsumer
 from bus.kv_events import KvEventPublisher
-from bus.lifecycle import freeze_startup_objects, observe_gc_pauses, sleep_unless, stop_tasks
+from bus.lifecycle import event_loop_lag_observed, freeze_startup_objects, observe_gc_pauses, sleep_unless, stop_tasks
 from bus.metrics import (CACHE_HIT_RATE, ENGINE_RUNNING, ENGINE_WAITING, KV_EVENT_BATCHES, KV_USAGE, QUEUE_TASKS,
                          WORKER_READY)
 from bus.publish import TaskPublisher
@@ -581,12 +581,14 @@ def _advertised_host(bind_host: str) -> str:
 async def run_in_own_process(runtime: WorkerRuntime, freeze_gc: bool = True) -> None:
     """Run a worker that has its process to itself (`conveyor worker`). Once it is ready, with `freeze_gc`, what
     startup created leaves the garbage collector's view (`freeze_startup_objects`): full collections stay short.
-    Every collection's pause is timed either way (`conveyor_gc_pause_seconds`)."""
+    Every collection's pause is timed either way (`conveyor_gc_pause_seconds`), and so is the event loop's lag
+    (`conveyor_event_loop_lag_seconds`)."""
     observe_gc_pauses()
-    running = asyncio.create_task(runtime.run(), name="worker")
-    started = asyncio.create_task(runtime.started.wait())
-    await asyncio.wait([running, started], return_when=asyncio.FIRST_COMPLETED)
-    started.cancel()
-    if runtime.started.is_set() and freeze_gc:
-        log.info("worker.startup_objects_frozen", objects=freeze_startup_objects())
-    await running
+    async with event_loop_lag_observed():
+        running = asyncio.create_task(runtime.run(), name="worker")
+        started = asyncio.create_task(runtime.started.wait())
+        await asyncio.wait([running, started], return_when=asyncio.FIRST_COMPLETED)
+        started.cancel()
+        if runtime.started.is_set() and freeze_gc:
+            log.info("worker.startup_objects_frozen", objects=freeze_startup_objects())
+        await running
