@@ -2,9 +2,9 @@
 
 Serves `/v1/chat/completions`, `/v1/completions` (streaming over SSE, with
 `stream_options.include_usage`, or whole responses), `/v1/embeddings`, `/v1/images/generations`
-(`b64_json` or `url`), `/v1/models` (the models the registry shows
-ready, LoRA adapters with their `parent`), `/health`, `/metrics` (this process's Prometheus series), and with `allow_lora_updates` vLLM's `/v1/load_lora_adapter`
-and `/v1/unload_lora_adapter`. Each HTTP request becomes one `ChatRequest` / `CompletionRequest` published to
+(`b64_json` or `url`), `/v1/models` (the models the registry shows ready, LoRA adapters with their `parent`),
+`/health`, `/metrics` (this process's Prometheus series), and with `allow_lora_updates` vLLM's
+`/v1/load_lora_adapter` and `/v1/unload_lora_adapter`. Each HTTP request becomes one `ChatRequest` / `CompletionRequest` published to
 `{ns}.work.processor` with its own reply inbox; the reply frames are turned back into OpenAI JSON. Chat answers to
 requests with tools, and with `reasoning_parser` any chat answer, are read here for `tool_calls` and
 `reasoning_content` (workers/output_parsing.py).
