@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# On the GPU machine, with the server and stack a held (scripts/gpu_hold.sh): put aiperf's load on each target in turn
+# and profile its processes meanwhile (scripts/profile_processes.py: py-spy, CPU per process, event-loop lag).
+#
+#   bash scripts/gpu_profile.sh OUT_DIR [CONCURRENCY] [TARGET...]     TARGET: server | conveyor (default: both)
+#
+# The server's profile is its main process (HTTP, tokenizer manager); Conveyor's are the decode worker (SGLang's
+# tokenizer manager and the reply path), the gateway and the processor. Each target gets one aiperf warm-up run first
+# (the first run on a fresh stack is slower). Per target: OUT_DIR/prof-TARGET.json, profile-*.txt (collapsed stacks)
+# and aiperf-TARGET.log.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?"usage: gpu_profile.sh OUT_DIR [CONCURRENCY] [TARGET...]"}
+concurrency=${2:-64}
+shift $(( $# < 2 ? $# : 2 ))
+if [ $# -gt 0 ]; then targets=("$@"); else targets=(server conveyor); fi
+mkdir -p "$out"
+
+aiperf() {  # aiperf NAME URL REQUESTS_PER_STREAM
+    bash scripts/gpu_run.sh python3 scripts/bench_aiperf.py --tokenizer .gpu/smol "$1=$2" --concurrency "$concurrency" \
+        --rounds 1 --requests-per-stream "$3" --out "/tmp/aiperf-$1"
+}
+
+for target in "${targets[@]}"; do
+    case "$target" in
+        server)
+            url=http://127.0.0.1:30000
+            processes=("server=$(pgrep -f '^python3 -m [s]glang.launch_server' | head -1)")
+            metrics=()
+            ;;
+        conveyor)
+            url=http://127.0.0.1:8000
+            processes=("decode=$(pgrep -f '[w]orkers.cli worker decode' | head -1)"
+                       "gateway=$(pgrep -f '[w]orkers.cli gateway --port 8000' | head -1)"
+                       "processor=$(pgrep -f '[w]orkers.cli worker processor' | head -1)")
+            metrics=(--metrics decode=http://127.0.0.1:9102/metrics gateway=$url/metrics
+                     processor=http://127.0.0.1:9101/metrics)
+            ;;
+        *) echo "[gpu-profile] a target is server or conveyor, not $target" >&2; exit 2 ;;
+    esac
+    echo "[gpu-profile] $target: warm-up" >&2
+    aiperf "$target-warmup" "$url" 2 > "$out/aiperf-$target-warmup.log" 2>&1
+    echo "[gpu-profile] $target: loaded run, profiled (${processes[*]})" >&2
+    aiperf "$target" "$url" 8 > "$out/aiperf-$target.log" 2>&1 &
+    loader=$!
+    bash scripts/gpu_run.sh python3 scripts/profile_processes.py "${processes[@]}" --busy-percent 30 --duration-s 10 \
+        "${metrics[@]}" --out "$out/$target" > "$out/prof-$target.json" 2> "$out/prof-$target.err" || true
+    wait "$loader" || echo "[gpu-profile] $target: aiperf failed (see $out/aiperf-$target.log)" >&2
+    for file in "$out/$target"/profile-*.txt; do cp "$file" "$out/$target-$(basename "$file")"; done
+done
