@@ -1,7 +1,7 @@
 """The reply journal: a request's reply stream recorded in JetStream, so a replica can take it over.
 
 Writer: `ReplyJournal` records each frame a `ReplySender` sends, just before the frame goes to the
-inbox, on `{ns}.progress.{request_id}` (the same bytes; one more publish per frame, no ack awaited).
+inbox, on `{ns}.progress.{request_id}` (the same bytes; one more message per frame, written with the frame, no ack awaited).
 Every `snapshot_every` frames it writes a `ProgressSnapshot` with a rollup header instead, so a
 subject never holds more than that many records; the terminal frame is written as a rollup too.
 
@@ -27,6 +27,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from pydantic import Field, TypeAdapter
 
+from bus.connection import pub_prefix, publish_frames
 from bus.subjects import Names
 from schemas.codec import decode_as, encode
 from schemas.progress import ProgressSnapshot
@@ -73,6 +74,7 @@ class ReplyJournal:
                  snapshot_every: int = 64) -> None:
         self._nc = nc
         self.subject = subject
+        self._prefix = pub_prefix(subject)
         self._request_id = request_id
         self._snapshot_every = snapshot_every
         resumed = resumed or Progress()
@@ -83,8 +85,9 @@ class ReplyJournal:
         self._since_snapshot = 0
 
     async def record(self, payload: bytes, next_seq: int, token_ids: list[int] | None = None,
-                     text: str | None = None) -> None:
-        """Record a non-terminal frame (`next_seq`: the seq after it)."""
+                     text: str | None = None, then: tuple[bytes, bytes] | None = None) -> None:
+        """Record a non-terminal frame (`next_seq`: the seq after it). `then`, a frame for `publish_frames` (the
+        frame itself, to its inbox), goes out right after the record, in the same write unless a snapshot is due."""
         if token_ids:
             self._token_ids.extend(token_ids)
         if text:
@@ -93,8 +96,10 @@ class ReplyJournal:
         self._since_snapshot += 1
         if self._since_snapshot >= self._snapshot_every:
             await self.snapshot(next_seq)
+            if then is not None:
+                await publish_frames(self._nc, then)
         else:
-            await self._nc.publish(self.subject, payload)
+            await publish_frames(self._nc, (self._prefix, payload), *(() if then is None else (then,)))
 
     async def snapshot(self, next_seq: int, released: bool = False) -> None:
         """Everything so far in one record, replacing the subject's older ones."""

@@ -6,6 +6,7 @@ fields left out to keep frames small; decoding restores them from the defaults.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, TypeVar
 
 import msgpack
@@ -23,8 +24,20 @@ class WireVersionMismatch(ValueError):
     """A message written by a peer that speaks another version of the wire contract."""
 
 
+_packers = threading.local()
+
+
+def pack(value: Any) -> bytes:
+    """msgpack of plain Python values, as `msgpack.packb(value, use_bin_type=True)` makes it. One packer per thread,
+    kept: `packb` builds a packer, with a 1 MiB buffer, per call, and a streaming worker packs a frame per token."""
+    packer = getattr(_packers, "packer", None)
+    if packer is None:
+        packer = _packers.packer = msgpack.Packer(use_bin_type=True)
+    return packer.pack(value)
+
+
 def encode(model: BaseModel) -> bytes:
-    return msgpack.packb(model.model_dump(mode="python", exclude_none=True), use_bin_type=True)
+    return pack(model.model_dump(mode="python", exclude_none=True))
 
 
 def decode(data: bytes, model_type: type[M]) -> M:

@@ -6,8 +6,8 @@
 #
 # The server's profile is its main process (HTTP, tokenizer manager); Conveyor's are the decode worker (SGLang's
 # tokenizer manager and the reply path), the gateway and the processor. Each target gets one aiperf warm-up run first
-# (the first run on a fresh stack is slower). Per target: OUT_DIR/prof-TARGET.json, profile-*.txt (collapsed stacks)
-# and aiperf-TARGET.log.
+# (the first run on a fresh stack is slower; WARMUP=0 skips it). Per target: OUT_DIR/prof-TARGET.json,
+# TARGET-profile-*.txt (collapsed stacks) and aiperf-TARGET.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?"usage: gpu_profile.sh OUT_DIR [CONCURRENCY] [TARGET...]"}
@@ -38,13 +38,15 @@ for target in "${targets[@]}"; do
             ;;
         *) echo "[gpu-profile] a target is server or conveyor, not $target" >&2; exit 2 ;;
     esac
-    echo "[gpu-profile] $target: warm-up" >&2
-    aiperf "$target-warmup" "$url" 2 > "$out/aiperf-$target-warmup.log" 2>&1
+    if [ "${WARMUP:-1}" = 1 ]; then
+        echo "[gpu-profile] $target: warm-up" >&2
+        aiperf "$target-warmup" "$url" 2 > "/tmp/aiperf-$target-warmup.log" 2>&1
+    fi
     echo "[gpu-profile] $target: loaded run, profiled (${processes[*]})" >&2
     aiperf "$target" "$url" 8 > "$out/aiperf-$target.log" 2>&1 &
     loader=$!
     bash scripts/gpu_run.sh python3 scripts/profile_processes.py "${processes[@]}" --busy-percent 30 --duration-s 10 \
-        "${metrics[@]}" --out "$out/$target" > "$out/prof-$target.json" 2> "$out/prof-$target.err" || true
+        "${metrics[@]}" --out "/tmp/profile-$target" > "$out/prof-$target.json" 2> "/tmp/profile-$target.err" || true
     wait "$loader" || echo "[gpu-profile] $target: aiperf failed (see $out/aiperf-$target.log)" >&2
-    for file in "$out/$target"/profile-*.txt; do cp "$file" "$out/$target-$(basename "$file")"; done
+    for file in "/tmp/profile-$target"/profile-*.txt; do cp "$file" "$out/$target-$(basename "$file")"; done
 done

@@ -11,14 +11,17 @@ import textwrap
 import time
 from pathlib import Path
 
+import nats.errors
 import pytest
+from nats.aio.msg import Msg
 
+from bus.connection import pub_prefix, publish_frames
 from bus.errors import RemoteError, ReplyGap, ReplyStreamBroken
 from bus.replies import ReplySender
 from schemas.codec import decode, encode
 from schemas.replies import ErrorCode, FinalFrame, FinishReason, TokenChunk, Usage
 from tests.conftest import Bus
-from tests.helpers import open_stream
+from tests.helpers import metric, open_stream, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,6 +41,39 @@ async def test_ten_thousand_chunks_arrive_complete_and_in_order(bus: Bus) -> Non
     assert [token for chunk in chunks for token in chunk.token_ids] == list(range(10_000))
     assert [chunk.seq for chunk in chunks] == list(range(10_000))
     assert isinstance(final, FinalFrame) and final.seq == 10_000 and final.usage.completion_tokens == 10_000
+
+
+async def test_frames_written_as_one_command_arrive_in_order_and_an_oversized_one_is_refused(bus: Bus) -> None:
+    received: list[tuple[str, bytes]] = []
+
+    async def on_message(msg: Msg) -> None:
+        received.append((msg.subject, msg.data))
+
+    await bus.nc.subscribe("raw.>", cb=on_message)
+    await publish_frames(bus.nc, (pub_prefix("raw.journal"), b"one"), (pub_prefix("raw.inbox"), b"one"))
+    await publish_frames(bus.nc, (pub_prefix("raw.inbox"), b""))
+    with pytest.raises(nats.errors.MaxPayloadError):
+        await publish_frames(bus.nc, (pub_prefix("raw.inbox"), b"x" * (bus.nc.max_payload + 1)))
+    await publish_frames(bus.nc, (pub_prefix("raw.inbox"), b"after"))
+    await wait_until(lambda: len(received) >= 4)
+    assert received == [("raw.journal", b"one"), ("raw.inbox", b"one"), ("raw.inbox", b""), ("raw.inbox", b"after")]
+    assert bus.nc.is_connected
+    with pytest.raises(nats.errors.BadSubjectError):
+        pub_prefix("two words")
+
+
+async def test_every_frame_sent_is_counted_once_the_stream_ends(bus: Bus) -> None:
+    chunks_before, finals_before = metric("conveyor_reply_frames_total", kind="chunk"), metric(
+        "conveyor_reply_frames_total", kind="final")
+    stream = await open_stream(bus, "counted")
+    async with ReplySender(bus.nc, stream.inbox, "counted") as sender:
+        for token in range(45):  # more than one batch of the counter, and a remainder
+            await sender.send_tokens([token])
+        await sender.finish(FinishReason.LENGTH, Usage.of(1, 45))
+    chunks, _ = await stream.collect()
+    assert len(chunks) == 45
+    assert metric("conveyor_reply_frames_total", kind="chunk") - chunks_before == 45
+    assert metric("conveyor_reply_frames_total", kind="final") - finals_before == 1
 
 
 async def test_coalescing_merges_tokens_into_fewer_frames_without_losing_any(bus: Bus) -> None:
