@@ -122,7 +122,9 @@ class ResumedOutput:
     text: str
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: an engine makes one per token, and a frozen dataclass takes 3× as long to build (its __init__ sets
+# each field through object.__setattr__). Treated as immutable all the same.
+@dataclass(slots=True)
 class GenerateOutput:
     """One delta of a generation. The last one has `finish_reason` set and the final counts."""
 
