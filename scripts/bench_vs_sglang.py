@@ -136,7 +136,8 @@ class Servers:
                     "CONVEYOR_SGLANG_EXTRA_SERVER_ARGS": json.dumps(extra_server_args(args))})
         url = f"http://127.0.0.1:{args.gateway_port}"
         self.spawn("gateway", [sys.executable, "-m", "workers.cli", "gateway", "--port", str(args.gateway_port),
-                               "--host", "127.0.0.1", "--log-level", "WARNING"], env)
+                               "--host", "127.0.0.1", "--log-level", "WARNING", "--workers", str(args.gateway_workers)],
+                   env)
         wait_http(f"{url}/v1/models", "conveyor (gateway, processor, decode)", args.start_timeout_s,
                   list(self.processes.values()), ready=lambda: model_listed(url, args.model))
         return url
@@ -735,6 +736,7 @@ def main() -> None:
                              "(`sglang-control`): its ratios to the server are this run's noise floor, what two "
                              "identical systems differ by at this many rounds.")
     parser.add_argument("--engine", default="sglang", help="Conveyor's engine (mock: check the harness without a GPU).")
+    parser.add_argument("--gateway-workers", type=int, default=1, help="Conveyor's gateway processes (--workers)")
     parser.add_argument("--decode-args", default="", help="More options for Conveyor's decode worker, as one string "
                         "(e.g. '--migration-limit 0 --coalesce-ms 2').")
     parser.add_argument("--gateway-port", type=int, default=8000)

@@ -8,7 +8,8 @@
 #   bash scripts/gpu_hold.sh stack b [VAR=V]   a second one: gateway :8001, metrics :9111 (decode :9112), NATS :4223, 50%
 #
 # VAR=V settings go to the stack's environment, e.g. CONVEYOR_SGLANG_PREFILL_BUDGET_TOKENS=2048; DECODE_ARGS in
-# this script's own environment goes to the decode worker's command line, e.g. DECODE_ARGS='--migration-limit 0'.
+# this script's own environment goes to the decode worker's command line, e.g. DECODE_ARGS='--migration-limit 0';
+# GATEWAY_WORKERS=N starts N gateway processes on the stack's port (`conveyor gateway --workers N`).
 # Start the stacks one after the other: SGLang sizes its pool from the memory it finds free. Logs: /tmp/sglang-server.log,
 # /tmp/conveyor-<a|b>.log and /tmp/<a|b>/bench-vs-sglang-conveyor/. The server carries .gpu/sglang-site.tar.xz,
 # .gpu/sglang-server.tar.xz and .gpu/smol; a stack .gpu/conveyor-deps.tar.xz, .gpu/bin and .gpu/smol (one call each:
@@ -46,6 +47,7 @@ case "${1:-}" in
             *) echo "[gpu-hold] a stack is named a or b" >&2; exit 2 ;;
         esac
         if [ -n "${DECODE_ARGS:-}" ]; then options+=(--decode-args "$DECODE_ARGS"); fi
+        if [ -n "${GATEWAY_WORKERS:-}" ]; then options+=(--gateway-workers "$GATEWAY_WORKERS"); fi
         mkdir -p "/tmp/$name"
         (env "$@" setsid nohup bash scripts/gpu_run.sh python3 scripts/bench_vs_sglang.py conveyor --model .gpu/smol \
             --max-running-requests "$MAX_RUNNING" "${options[@]}" > "/tmp/conveyor-$name.log" 2>&1 < /dev/null &)

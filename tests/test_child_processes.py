@@ -3,16 +3,18 @@ them in order, and on Linux even a SIGKILLed parent takes its nats-server and wo
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from bus.server import free_port
+from bus.server import EmbeddedNatsServer, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -114,3 +116,24 @@ def test_conveyor_up_stops_its_children_when_signalled_before_the_pipeline_is_re
     children = _descendants_of(parent.pid)
     parent.send_signal(signal.SIGTERM)
     _assert_all_gone(parent, children, timeout_s=45)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
+def test_gateway_workers_share_one_port_and_go_with_their_parent(signum: signal.Signals) -> None:
+    nats_server = EmbeddedNatsServer()
+    url = nats_server.start()
+    port = free_port()
+    try:
+        parent, _ = _start(["gateway", "--workers", "2", "--host", "127.0.0.1", "--port", str(port), "--nats", url],
+                           "2 gateway processes sharing port")
+        for _ in range(2):
+            _wait_for_line(parent, "OpenAI API on", timeout_s=60)
+        gateways = _descendants_of(parent.pid)
+        assert len(gateways) == 2, gateways
+        for _ in range(8):  # fresh connections, spread by the kernel over the two
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as response:
+                assert response.status == 200 and json.load(response)["status"] == "ok"
+        parent.send_signal(signum)
+        _assert_all_gone(parent, gateways, timeout_s=45)
+    finally:
+        nats_server.stop()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -586,6 +587,11 @@ def gateway(
     allow_lora_updates: Annotated[bool, typer.Option("--allow-lora-updates", help=(
         "Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (anyone who reaches the API can then change "
         "the adapters served)."))] = False,
+    workers: Annotated[int, typer.Option(min=1, help=(
+        "Gateway processes sharing the port (Linux, SO_REUSEPORT). One process streams ~10k tokens/s before its "
+        "event loop is full (docs/performance.md): add processes for more concurrent streams."))] = 1,
+    reuse_port: Annotated[bool, typer.Option("--reuse-port", help=(
+        "Share the port with other gateway processes on this machine (Linux); --workers sets it on its own."))] = False,
     nats: NatsOption = None,
     namespace: NamespaceOption = None,
     log_level: LogLevelOption = "INFO",
@@ -595,6 +601,21 @@ def gateway(
     from bus.lifecycle import event_loop_lag_observed, freeze_startup_objects
     from workers.gateway import GatewayOptions, serving
 
+    if workers > 1:
+        from workers.launcher import run_gateway_workers
+
+        # Each process is this command with the same options, as one of several on the port.
+        one = [sys.executable, "-m", "workers.cli", "gateway", "--port", str(port), "--host", host,
+               "--first-token-timeout-s", str(first_token_timeout_s), "--log-level", log_level, "--reuse-port"]
+        for parser in tool_call_parser or []:
+            one += ["--tool-call-parser", parser]
+        for flag, given in (("--reasoning-parser", reasoning_parser), ("--allow-lora-updates", allow_lora_updates)):
+            if given:
+                one.append(flag)
+        for option, value in (("--nats", nats), ("--namespace", namespace)):
+            if value is not None:
+                one += [option, value]
+        raise typer.Exit(run_loop(run_gateway_workers(one, workers, port)))
     configure_logging(log_level)
     nats_settings, bus_settings = load_settings(nats, namespace)
     default_format, per_model = _tool_formats(tool_call_parser or [])
@@ -613,7 +634,7 @@ def gateway(
             async with serving(client, GatewayOptions(
                     host, port, first_token_timeout_s, reasoning_parser=reasoning_parser,
                     allow_lora_updates=allow_lora_updates, tool_call_parser=default_format,
-                    tool_call_parsers=per_model)) as bound:
+                    tool_call_parsers=per_model, reuse_port=reuse_port)) as bound:
                 typer.echo(f"[conveyor] OpenAI API on http://{host}:{bound}/v1", err=True)
                 # Startup's objects out of the garbage collector's view: its full collections stay short.
                 freeze_startup_objects()

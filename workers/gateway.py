@@ -200,6 +200,8 @@ class GatewayOptions:
     # How models write tool calls (`auto` tool choice): this format, unless the model has one of its own here.
     tool_call_parser: ToolFormat = ToolFormat.HERMES
     tool_call_parsers: dict[str, ToolFormat] = field(default_factory=dict)
+    # Share the port with other gateway processes (SO_REUSEPORT, Linux): the kernel spreads connections over them.
+    reuse_port: bool = False
 
     def tool_format(self, model: str) -> ToolFormat:
         return self.tool_call_parsers.get(model, self.tool_call_parser)
@@ -625,7 +627,7 @@ async def serving(client: PipelineClient, options: GatewayOptions) -> AsyncItera
     gateway = Gateway(client, options)
     runner = web.AppRunner(gateway.app, access_log=None, shutdown_timeout=options.shutdown_grace_s)
     await runner.setup()
-    site = web.TCPSite(runner, options.host, options.port)
+    site = web.TCPSite(runner, options.host, options.port, reuse_port=options.reuse_port or None)
     await site.start()
     server = site._server
     assert server is not None and server.sockets

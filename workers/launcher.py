@@ -146,10 +146,11 @@ async def _wait_ready(nats: NatsSettings, bus: BusSettings, options: UpOptions,
     raise TimeoutError(f"the pipeline was not ready within {options.ready_timeout_s:.0f} s")
 
 
-async def _wait_for_stop_or_exit(workers: list[subprocess.Popen[bytes]], stop: asyncio.Event) -> None:
+async def _wait_for_stop_or_exit(workers: list[subprocess.Popen[bytes]], stop: asyncio.Event,
+                                 what: str = "a worker") -> None:
     while not stop.is_set():
         if any(w.poll() is not None for w in workers):
-            progress("a worker exited; stopping the pipeline")
+            progress(f"{what} exited; stopping the others")
             return
         try:
             await asyncio.wait_for(stop.wait(), timeout=1.0)
@@ -175,3 +176,21 @@ async def stop_processes(processes: list[subprocess.Popen[bytes]], grace_s: floa
         except subprocess.TimeoutExpired:
             process.kill()
             await asyncio.to_thread(process.wait)
+
+
+async def run_gateway_workers(command: list[str], num_workers: int, port: int) -> int:
+    """`conveyor gateway --workers N`: N gateway processes (`command`, each with `--reuse-port`) on one port; the
+    kernel spreads the connections over them. Returns when SIGINT / SIGTERM stops them (0), or when one of them exits
+    by itself (1: the others are stopped too, for a supervisor to start the whole gateway again)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    # SIGTERM when this parent dies, even by SIGKILL: no gateway is left holding the port.
+    gateways = [subprocess.Popen(command, preexec_fn=dies_with_parent(signal.SIGTERM)) for _ in range(num_workers)]
+    progress(f"{num_workers} gateway processes sharing port {port}")
+    try:
+        await _wait_for_stop_or_exit(gateways, stop, what="a gateway process")
+    finally:
+        await asyncio.shield(stop_processes(gateways))
+    return 0 if stop.is_set() else 1
