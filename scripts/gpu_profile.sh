@@ -5,7 +5,7 @@
 #   bash scripts/gpu_profile.sh OUT_DIR [CONCURRENCY] [TARGET...]     TARGET: server | conveyor (default: both)
 #
 # The server's profile is its main process (HTTP, tokenizer manager); Conveyor's are the decode worker (SGLang's
-# tokenizer manager and the reply path), the gateway and the processor. Each target gets one aiperf warm-up run first
+# tokenizer manager and the reply path), the gateway (the last started, with GATEWAY_WORKERS) and the processor. Each target gets one aiperf warm-up run first
 # (the first run on a fresh stack is slower; WARMUP=0 skips it). Per target: OUT_DIR/prof-TARGET.json,
 # TARGET-profile-*.txt (collapsed stacks) and aiperf-TARGET.log.
 set -euo pipefail
@@ -31,7 +31,7 @@ for target in "${targets[@]}"; do
         conveyor)
             url=http://127.0.0.1:8000
             processes=("decode=$(pgrep -f '[w]orkers.cli worker decode' | head -1)"
-                       "gateway=$(pgrep -f '[w]orkers.cli gateway --port 8000' | head -1)"
+                       "gateway=$(pgrep -f '[w]orkers.cli gateway --port 8000' | tail -1)"
                        "processor=$(pgrep -f '[w]orkers.cli worker processor' | head -1)")
             metrics=(--metrics decode=http://127.0.0.1:9102/metrics gateway=$url/metrics
                      processor=http://127.0.0.1:9101/metrics)
