@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -11,11 +12,14 @@ import aiohttp
 import openai
 import pytest
 
+from bus.replies import _chunk_payload
+from schemas.codec import unpack
 from schemas.registry import Stage
+from schemas.replies import REPLY_FRAME, ChatChunkDelta, Usage
 from tests.conftest import Bus
 from tests.helpers import wait_until
 from tests.pipeline_helpers import MOCK, client_of, mock_decode, mock_processor, running_workers
-from workers.gateway import GatewayOptions, serving
+from workers.gateway import GatewayOptions, _Shape, serving
 
 
 @asynccontextmanager
@@ -118,3 +122,16 @@ async def test_a_stopping_gateway_cancels_the_streams_it_cuts(bus: Bus) -> None:
         # The gateway cut the open response on its way out and cancelled what it was streaming.
         await wait_until(lambda: decode.engine.load().running_requests == 0, timeout_s=5)  # type: ignore[attr-defined]
         await asyncio.gather(reader, return_exceptions=True)
+
+
+@pytest.mark.parametrize("delta", [
+    ChatChunkDelta(id="chatcmpl-1", created=7, model=MOCK, role="assistant", content="Hi"),
+    ChatChunkDelta(id="chatcmpl-1", created=7, model=MOCK, content=" there \u00e9\"\\n"),
+    ChatChunkDelta(id="chatcmpl-1", created=7, model=MOCK, finish_reason="length", usage=Usage.of(3, 2)),
+], ids=["role", "content", "finish"])
+def test_a_decode_workers_chat_chunk_goes_out_as_the_json_the_gateway_would_build(delta: ChatChunkDelta) -> None:
+    frame = REPLY_FRAME.validate_python(unpack(_chunk_payload("chatcmpl-1", 3, {"token_ids": [5], "openai": delta})))
+    built = frame.openai.model_dump(mode="json", exclude={"usage"}) | {"id": "chatcmpl-1"}
+    sent = _Shape("chatcmpl-1", MOCK, chat=True).chunk(frame)
+    # The same bytes, but for non-ASCII text, which goes out as UTF-8 instead of \u escapes (the same JSON).
+    assert sent == json.dumps(built, separators=(",", ":"), ensure_ascii=False).encode()
