@@ -1,8 +1,8 @@
 """The reply journal: a request's reply stream recorded in JetStream, so a replica can take it over.
 
 Writer: `ReplyJournal` records each frame a `ReplySender` sends, just before the frame goes to the
-inbox, on `{ns}.progress.{request_id}` (the same bytes; one more message per frame, written with the frame, no ack awaited).
-Every `snapshot_every` frames it writes a `ProgressSnapshot` with a rollup header instead, so a
+inbox, on `{ns}.progress.{request_id}` (the same bytes; one more message per frame, written with the
+frame in one command, no ack awaited). Every `snapshot_every` frames it writes a `ProgressSnapshot` with a rollup header instead, so a
 subject never holds more than that many records; the terminal frame is written as a rollup too.
 
 Reader: `read_progress` replays the subject into a `Progress`: what the client has been sent, the
