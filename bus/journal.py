@@ -2,8 +2,9 @@
 
 Writer: `ReplyJournal` records each frame a `ReplySender` sends, just before the frame goes to the
 inbox, on `{ns}.progress.{request_id}` (the same bytes; one more message per frame, written with the
-frame in one command, no ack awaited). Every `snapshot_every` frames it writes a `ProgressSnapshot` with a rollup header instead, so a
-subject never holds more than that many records; the terminal frame is written as a rollup too.
+frame in one command, no ack awaited). Every `snapshot_every` frames it writes a `ProgressSnapshot`
+with a rollup header instead, so a subject never holds more than that many records; the terminal
+frame is written as a rollup too.
 
 Reader: `read_progress` replays the subject into a `Progress`: what the client has been sent, the
 next `seq`, the last frame's bytes, whether the request already ended and how old the last record is.
