@@ -128,12 +128,15 @@ async def publish_frames(nc: Client, *frames: tuple[bytes, bytes]) -> None:
         for prefix, payload in frames:
             await nc.publish(prefix[4:-1].decode(), payload)
         return
-    for _, payload in frames:
-        if len(payload) > nc.max_payload:
+    commands, num_bytes = [], 0
+    for prefix, payload in frames:
+        size = len(payload)
+        if size > nc.max_payload:
             raise nats.errors.MaxPayloadError
-    command = b"".join(b"%b%d\r\n%b\r\n" % (prefix, len(payload), payload) for prefix, payload in frames)
+        commands.append(b"%b%d\r\n%b\r\n" % (prefix, size, payload))
+        num_bytes += size
     nc.stats["out_msgs"] += len(frames)
-    nc.stats["out_bytes"] += sum(len(payload) for _, payload in frames)
-    await nc._send_command(command)
+    nc.stats["out_bytes"] += num_bytes
+    await nc._send_command(commands[0] if len(commands) == 1 else b"".join(commands))
     if nc._flush_queue is not None and nc._flush_queue.empty():
         await nc._flush_pending()
