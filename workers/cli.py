@@ -598,7 +598,7 @@ def gateway(
 ) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) over the pipeline."""
     from bus.client import open_client
-    from bus.lifecycle import event_loop_lag_observed, freeze_startup_objects
+    from bus.lifecycle import event_loop_lag_observed, freeze_startup_objects, observe_gc_pauses
     from workers.gateway import GatewayOptions, serving
 
     if workers > 1:
@@ -617,6 +617,7 @@ def gateway(
                 one += [option, value]
         raise typer.Exit(run_loop(run_gateway_workers(one, workers, port)))
     configure_logging(log_level)
+    observe_gc_pauses()  # served on the gateway's /metrics, as a worker's are on its own
     nats_settings, bus_settings = load_settings(nats, namespace)
     default_format, per_model = _tool_formats(tool_call_parser or [])
     from bus.tracing import configure_tracing

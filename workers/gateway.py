@@ -4,10 +4,10 @@ Serves `/v1/chat/completions`, `/v1/completions` (streaming over SSE, with
 `stream_options.include_usage`, or whole responses), `/v1/embeddings`, `/v1/images/generations`
 (`b64_json` or `url`), `/v1/models` (the models the registry shows ready, LoRA adapters with their `parent`),
 `/health`, `/metrics` (this process's Prometheus series), and with `allow_lora_updates` vLLM's
-`/v1/load_lora_adapter` and `/v1/unload_lora_adapter`. Each HTTP request becomes one `ChatRequest` / `CompletionRequest` published to
-`{ns}.work.processor` with its own reply inbox; the reply frames are turned back into OpenAI JSON. Chat answers to
-requests with tools, and with `reasoning_parser` any chat answer, are read here for `tool_calls` and
-`reasoning_content` (workers/output_parsing.py).
+`/v1/load_lora_adapter` and `/v1/unload_lora_adapter`. Each HTTP request becomes one `ChatRequest` /
+`CompletionRequest` published to `{ns}.work.processor` with its own reply inbox; the reply frames are turned back
+into OpenAI JSON. Chat answers to requests with tools, and with `reasoning_parser` any chat answer, are read here
+for `tool_calls` and `reasoning_content` (workers/output_parsing.py).
 
 Fails how: pipeline error frames map onto the status codes OpenAI clients expect (400 invalid
 request, context too long or unsupported option; 404 unknown model; 503 overloaded or worker lost,
@@ -29,7 +29,6 @@ from typing import Any
 
 import structlog
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from bus.client import PipelineClient
@@ -51,6 +50,7 @@ from schemas.client import (
 from schemas.control import LoraAdapter
 from schemas.registry import Stage
 from schemas.replies import EmbeddingResult, ErrorCode, FinalFrame, ImageResult, TokenChunk, TokenLogprob, Usage
+from workers.http import metrics
 from workers.output_parsing import OutputParser, ParsedDelta, ToolFormat
 
 log = structlog.get_logger(__name__)
@@ -260,7 +260,7 @@ class Gateway:
             web.post("/v1/images/generations", self.images),
             web.get("/v1/models", self.models),
             web.get("/health", self.health),
-            web.get("/metrics", self.metrics),
+            web.get("/metrics", metrics),  # this process's own: its event loop's lag, its garbage collections
         ])
         if options.allow_lora_updates:
             self.app.add_routes([web.post("/v1/load_lora_adapter", self.load_lora),
@@ -277,10 +277,6 @@ class Gateway:
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "ready_models": sorted(await self._ready_models(max_age_s=0.0))})
-
-    async def metrics(self, request: web.Request) -> web.Response:
-        """This process's Prometheus series (its event loop's lag, its garbage collections, what its clients read)."""
-        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:
         cards = await self._client.live_workers()

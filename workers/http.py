@@ -18,6 +18,11 @@ log = structlog.get_logger(__name__)
 ReadinessCheck = Callable[[], str | None]
 
 
+async def metrics(request: web.Request) -> web.Response:
+    """This process's Prometheus series (a worker's port, and the gateway's own)."""
+    return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
 class HealthServer:
     def __init__(self, host: str, port: int, readiness: ReadinessCheck, extra_routes: list[web.RouteDef] = ()) -> None:  # type: ignore[assignment]
         self._host = host
@@ -25,7 +30,7 @@ class HealthServer:
         self._readiness = readiness
         self._app = web.Application()
         self._app.add_routes(
-            [web.get("/metrics", self._metrics), web.get("/live", self._live), web.get("/ready", self._ready)]
+            [web.get("/metrics", metrics), web.get("/live", self._live), web.get("/ready", self._ready)]
         )
         self._app.add_routes(list(extra_routes))
         self._runner: web.AppRunner | None = None
@@ -50,9 +55,6 @@ class HealthServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-
-    async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _live(self, request: web.Request) -> web.Response:
         return web.json_response({"live": True})
