@@ -85,10 +85,10 @@ class ReplyJournal:
         self.migrations = resumed.migrations
         self._since_snapshot = 0
 
-    async def record(self, payload: bytes, next_seq: int, token_ids: list[int] | None = None,
-                     text: str | None = None, then: tuple[bytes, bytes] | None = None) -> None:
-        """Record a non-terminal frame (`next_seq`: the seq after it). `then`, a frame for `publish_frames` (the
-        frame itself, to its inbox), goes out right after the record, in the same write unless a snapshot is due."""
+    async def record(self, payload: bytes, next_seq: int, token_ids: list[int] | None, text: str | None,
+                     then: tuple[bytes, bytes]) -> None:
+        """Record a non-terminal frame (`next_seq`: the seq after it). `then`, the frame itself for `publish_frames`
+        (to its inbox), goes out right after the record, in the same write unless a snapshot is due."""
         if token_ids:
             self._token_ids.extend(token_ids)
         if text:
@@ -97,10 +97,9 @@ class ReplyJournal:
         self._since_snapshot += 1
         if self._since_snapshot >= self._snapshot_every:
             await self.snapshot(next_seq)
-            if then is not None:
-                await publish_frames(self._nc, then)
+            await publish_frames(self._nc, then)
         else:
-            await publish_frames(self._nc, (self._prefix, payload), *(() if then is None else (then,)))
+            await publish_frames(self._nc, (self._prefix, payload), then)
 
     async def snapshot(self, next_seq: int, released: bool = False) -> None:
         """Everything so far in one record, replacing the subject's older ones."""
