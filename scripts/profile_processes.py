@@ -94,8 +94,11 @@ def top_functions(raw_profile: Path, limit: int) -> dict[str, Any]:
             own[frames[-1]] += count
         for frame in set(frames):
             inclusive[frame] += count
-    share = lambda counter: [(frame, round(count / max(total, 1), 3)) for frame, count in counter.most_common(limit)]  # noqa: E731
-    return {"samples": total, "own": share(own), "inclusive": share(inclusive)}
+
+    def shares(counter: Counter[str]) -> list[tuple[str, float]]:
+        return [(frame, round(count / max(total, 1), 3)) for frame, count in counter.most_common(limit)]
+
+    return {"samples": total, "own": shares(own), "inclusive": shares(inclusive)}
 
 
 def main() -> None:
