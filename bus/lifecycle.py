@@ -12,7 +12,6 @@ import contextlib
 import ctypes
 import gc
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -109,18 +108,3 @@ async def _observe_event_loop_lag(interval_s: float) -> None:
         due_s = loop.time() + interval_s
         await asyncio.sleep(interval_s)
         EVENT_LOOP_LAG.observe(max(0.0, loop.time() - due_s))
-
-
-async def stop_processes(processes: list[subprocess.Popen[bytes]], grace_s: float = 30.0) -> None:
-    """SIGTERM every process still running, then SIGKILL whichever has not exited after `grace_s`."""
-    for process in processes:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for process in processes:
-        remaining = max(0.1, deadline - time.monotonic())
-        try:
-            await asyncio.to_thread(process.wait, remaining)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            await asyncio.to_thread(process.wait)

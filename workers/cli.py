@@ -310,7 +310,6 @@ def worker(
     """
     from schemas.registry import ServingMode, Stage
     from workers.engines.factory import EngineKind
-    from workers.engines.frontends import ATTACH_VARIABLE
     from workers.runtime import WorkerOptions, WorkerRuntime, run_in_own_process
     from bus.router import RouterMode, RouterOptions
     from workers.decode import MigrationPolicy
@@ -346,8 +345,6 @@ def worker(
                         RouterOptions(RouterMode(router), router_overlap_weight, router_temperature,
                                       local_prefill_max_tokens, prefill_busy_tokens),
                         image_storage=storage, pools=pools_config, kv_events=kv_events)
-    if os.environ.get(ATTACH_VARIABLE):
-        http_port = 0  # a frontend another worker started for its SGLang engine: the given port is that worker's
     options = WorkerOptions(
         stage=stage_kind, model=models[0], also_serves=tuple(models[1:]), mode=serving_mode,
         engine_name=engine_kind.value, http_host=http_host,

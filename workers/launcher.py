@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from bus.lifecycle import dies_with_parent, stop_processes
+from bus.lifecycle import dies_with_parent
 from bus.registry import ready_models
 from bus.client import open_client
 from bus.settings import BusSettings, NatsSettings
@@ -161,6 +161,21 @@ async def _wait_for_stop_or_exit(workers: list[subprocess.Popen[bytes]], stop: a
 async def _stop(workers: list[subprocess.Popen[bytes]], grace_s: float = 30.0) -> None:
     await stop_processes(workers, grace_s)
     progress("workers stopped")
+
+
+async def stop_processes(processes: list[subprocess.Popen[bytes]], grace_s: float = 30.0) -> None:
+    """SIGTERM every process still running, then SIGKILL whichever has not exited after `grace_s`."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        remaining = max(0.1, deadline - time.monotonic())
+        try:
+            await asyncio.to_thread(process.wait, remaining)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            await asyncio.to_thread(process.wait)
 
 
 async def run_gateway_workers(command: list[str], num_workers: int, port: int) -> int:

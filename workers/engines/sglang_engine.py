@@ -3,8 +3,7 @@
 The only module that imports sglang, and only inside `start()`, so the package stays optional. What
 it maps, read from the 0.5.17 wheel:
 
-- generation: `GenerateReqInput(input_ids=..., sampling_params=..., stream=True, rid=...)` to the tokenizer
-  manager's `generate_request` (what `Engine.async_generate` does), with
+- generation: `Engine.async_generate(input_ids=..., sampling_params=..., stream=True, rid=...)` with
   `incremental_streaming_output=True`, so each item's `output_ids` / `text` are disjoint deltas; the
   item's `meta_info` carries `finish_reason` (`{"type": "stop"|"length"|"abort", "matched": ...}`),
   `prompt_tokens`, `completion_tokens`, `cached_tokens` and, when asked, `output_token_logprobs`;
@@ -42,7 +41,7 @@ from typing import Any, Literal
 
 import msgpack
 import structlog
-from pydantic import Field, model_validator
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
@@ -52,7 +51,6 @@ from workers.engines.pacing import Admission, PrefillBudget, Withdrawn
 from schemas.registry import BootstrapEndpoint
 from schemas.replies import FinishReason, TokenLogprob, TopLogprob
 from workers.engines.events import KvEventFanout
-from workers.engines.frontends import EngineHandle, Frontends, attach_manager, frontend_command, read_handle
 from workers.engines.protocol import (
     DisaggregationRole,
     EngineInfo,
@@ -140,22 +138,6 @@ class SGLangEngineConfig(BaseSettings):
     session_idle_s: float = Field(default=600.0, gt=0)
     # Any other ServerArgs field, passed through unchanged (JSON in CONVEYOR_SGLANG_EXTRA_SERVER_ARGS).
     extra_server_args: dict[str, Any] = Field(default_factory=dict)
-    # Processes that stream this engine's outputs (workers/engines/frontends.py): this worker and frontends-1 more
-    # decode workers it starts, each with its own NATS connection, pulling the same queue (SGLang's tokenizer
-    # workers). On the H100 one process's CPU capped the token rate at 128+ streams (docs/performance.md).
-    frontends: int = Field(default=1, ge=1, le=64)
-    # Set by a worker for the frontends it starts (CONVEYOR_SGLANG_ATTACH): the file naming its running engine.
-    # This worker's engine then attaches to that one instead of starting its own.
-    attach: Path | None = None
-
-    @model_validator(mode="after")
-    def _frontends_stream_tokens(self) -> SGLangEngineConfig:
-        if self.frontends > 1 and self.role == DisaggregationRole.PREFILL:
-            raise ValueError("a prefill engine streams no tokens: run it with one frontend (CONVEYOR_SGLANG_FRONTENDS=1)")
-        if self.frontends > 1 and self.enable_lora:
-            # Each frontend would load every adapter into the one engine again, and list only its own.
-            raise ValueError("LoRA adapters are served with one frontend per engine (CONVEYOR_SGLANG_FRONTENDS=1)")
-        return self
 
 
 def image_item(request: GenerateRequest) -> dict[str, Any]:
@@ -206,8 +188,6 @@ def server_args(config: SGLangEngineConfig, kv_events_port: int, bootstrap_port:
         args.update(enable_lora=True, max_lora_rank=config.max_lora_rank, lora_target_modules=config.lora_target_modules,
                     max_loras_per_batch=config.max_loras_per_batch)
     args.update(_expert_args(config))
-    if config.frontends > 1:
-        args["tokenizer_worker_num"] = config.frontends
     if config.role != DisaggregationRole.NONE:
         args["disaggregation_mode"] = config.role.value
         args["host"] = config.bootstrap_host
@@ -532,9 +512,7 @@ def _free_port() -> int:
 class SGLangEngine:
     def __init__(self, config: SGLangEngineConfig) -> None:
         self.config = config
-        self._engine: Any = None  # the sglang.Engine this worker started (None: attached to another's)
-        self._manager: Any = None  # the tokenizer manager (or frontend's TokenizerWorker) requests go through
-        self._frontends: Frontends | None = None
+        self._engine: Any = None
         self._relay: KvEventRelay | None = None
         self._bootstrap: BootstrapEndpoint | None = None
         # Until start() reads the model, the context length is what was configured (0: unknown).
@@ -554,59 +532,35 @@ class SGLangEngine:
         return self._info
 
     async def start(self) -> None:
-        if self.config.attach is not None:
-            handle = read_handle(self.config.attach)
-            self._manager = attach_manager(handle)
-            kv_port, num_frontends = handle.kv_events_port, handle.num_frontends
-            log.info("sglang.attached", model=self.config.model_path, frontends=num_frontends)
-        else:
-            kv_port, num_frontends = self.config.kv_events_port or _free_port(), self.config.frontends
-            self._start_engine(kv_port)
-        manager = self._manager
-        running = await self._max_running_requests()
+        import sglang
+
+        kv_port = self.config.kv_events_port or _free_port()
+        bootstrap_port = self.config.bootstrap_port or _free_port()
+        args = server_args(self.config, kv_port, bootstrap_port)
+        log.info("sglang.starting", model=self.config.model_path, role=self.config.role.value)
+        self._engine = sglang.Engine(**args)
+        manager = self._engine.tokenizer_manager
         self._info = EngineInfo(
             name="sglang",
             model=self.config.model_path,
             context_length=int(manager.model_config.context_len),
             role=self.config.role,
             eos_token_ids=tuple(sorted(manager.model_config.hf_eos_token_id or ())),
-            # Each frontend holds its share of what the engine runs, so no task waits in one while another has room.
-            max_running_requests=-(-running // num_frontends) if running is not None else None,
+            max_running_requests=await self._max_running_requests(),
         )
+        if self.config.role == DisaggregationRole.PREFILL:
+            advertised = advertised_host(self.config.bootstrap_host)
+            self._bootstrap = BootstrapEndpoint(host=advertised, port=bootstrap_port)
         if self.config.kv_events:
             self._relay = KvEventRelay(f"tcp://127.0.0.1:{kv_port}")
             await self._relay.start()
         self._load_task = asyncio.create_task(self._refresh_load())
 
-    def _start_engine(self, kv_port: int) -> None:
-        """SGLang's engine in this process's care; with several frontends, also this process's own and the others."""
-        import sglang
-
-        bootstrap_port = self.config.bootstrap_port or _free_port()
-        log.info("sglang.starting", model=self.config.model_path, role=self.config.role.value,
-                 frontends=self.config.frontends)
-        self._engine = sglang.Engine(**server_args(self.config, kv_port, bootstrap_port))
-        if self.config.role == DisaggregationRole.PREFILL:
-            self._bootstrap = BootstrapEndpoint(host=advertised_host(self.config.bootstrap_host), port=bootstrap_port)
-        if self.config.frontends == 1:
-            self._manager = self._engine.tokenizer_manager
-            return
-        # The engine's tokenizer manager is now SGLang's router between frontends: this process is one of them.
-        router = self._engine.tokenizer_manager
-        scheduler_info = dict(self._engine._scheduler_init_result.scheduler_infos[0])
-        if getattr(router, "startup_time", None) is not None:
-            scheduler_info["startup_time"] = router.startup_time
-        handle = EngineHandle(port_args=self._engine.port_args, server_args=self._engine.server_args,
-                              scheduler_info=scheduler_info, kv_events_port=kv_port,
-                              num_frontends=self.config.frontends)
-        self._manager = attach_manager(handle)
-        self._frontends = Frontends.start(handle, frontend_command())
-
     async def _max_running_requests(self) -> int | None:
         """What SGLang's schedulers run at once (it sizes this from the KV pool when not told), summed over data-
         parallel ranks: the worker then holds no more tasks than that (runtime.py)."""
         try:
-            states = await self._manager.get_internal_state()
+            states = await self._engine.tokenizer_manager.get_internal_state()
             return sum(int(state["effective_max_running_requests_per_dp"]) for state in states) or None
         except Exception as error:  # an SGLang without the field: the worker's --max-concurrency stands
             log.warning("sglang.max_running_requests_unknown", error=repr(error))
@@ -617,10 +571,6 @@ class SGLangEngine:
             self._load_task.cancel()
         if self._relay is not None:
             await self._relay.stop()
-        if self._frontends is not None:  # before the engine their streams come from
-            await self._frontends.stop()
-            self._frontends = None
-        self._manager = None
         if self._engine is not None:
             await asyncio.to_thread(self._engine.shutdown)
             self._engine = None
@@ -656,10 +606,7 @@ class SGLangEngine:
         finished = False
         num_output_tokens = 0
         try:
-            from sglang.srt.managers.io_struct import GenerateReqInput
-
-            # What `Engine.async_generate` does, on whichever tokenizer manager this process has.
-            stream = self._manager.generate_request(GenerateReqInput(**kwargs), None)
+            stream = await self._engine.async_generate(**kwargs)
             async for item in stream:
                 meta = item.get("meta_info", {})
                 reason, matched, error = finish_of(meta)
@@ -708,18 +655,18 @@ class SGLangEngine:
     async def abort(self, request_id: str) -> None:
         if self._prefill_budget is not None and self._prefill_budget.withdraw(request_id):
             return
-        if self._manager is not None:
-            self._manager.abort_request(rid=request_id)
+        if self._engine is not None:
+            self._engine.tokenizer_manager.abort_request(rid=request_id)
 
     def _token_text(self, token_id: int) -> str:
-        return str(self._manager.tokenizer.decode([token_id], skip_special_tokens=True))
+        return str(self._engine.tokenizer_manager.tokenizer.decode([token_id], skip_special_tokens=True))
 
     async def encode(self, inputs: list[list[int]]) -> list[list[float]]:
         """Vectors of token-id lists (an `is_embedding` engine). `Engine.async_encode` takes only text, so the
         request goes to SGLang's tokenizer manager as token ids."""
         from sglang.srt.managers.io_struct import EmbeddingReqInput
 
-        result = await self._manager.generate_request(EmbeddingReqInput(input_ids=inputs), None).__anext__()
+        result = await self._engine.tokenizer_manager.generate_request(EmbeddingReqInput(input_ids=inputs), None).__anext__()
         items = result if isinstance(result, list) else [result]
         return [list(item["embedding"]) for item in items]
 
@@ -734,7 +681,7 @@ class SGLangEngine:
     async def _refresh_load(self) -> None:
         while True:
             try:
-                snapshots = await self._manager.get_loads()
+                snapshots = await self._engine.tokenizer_manager.get_loads()
                 if snapshots:
                     page = self.config.page_size or 1
                     used = sum(s.num_used_tokens for s in snapshots)
@@ -764,29 +711,29 @@ class SGLangEngine:
     async def release_memory(self, tags: list[MemoryTag]) -> None:
         from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
 
-        await self._manager.release_memory_occupation(
+        await self._engine.tokenizer_manager.release_memory_occupation(
             ReleaseMemoryOccupationReqInput(tags=[tag.value for tag in tags]), None
         )
 
     async def resume_memory(self, tags: list[MemoryTag]) -> None:
         from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
 
-        await self._manager.resume_memory_occupation(
+        await self._engine.tokenizer_manager.resume_memory_occupation(
             ResumeMemoryOccupationReqInput(tags=[tag.value for tag in tags]), None
         )
 
     async def start_profile(self, output_dir: Path) -> None:
         from sglang.srt.managers.io_struct import ProfileReq
 
-        await self._manager.start_profile(ProfileReq(output_dir=str(output_dir)))
+        await self._engine.tokenizer_manager.start_profile(ProfileReq(output_dir=str(output_dir)))
 
     async def stop_profile(self) -> None:
-        await self._manager.stop_profile()
+        await self._engine.tokenizer_manager.stop_profile()
 
     async def update_weights_from_disk(self, model_path: Path) -> None:
         from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
 
-        result = await self._manager.update_weights_from_disk(
+        result = await self._engine.tokenizer_manager.update_weights_from_disk(
             UpdateWeightFromDiskReqInput(model_path=str(model_path)), None
         )
         success = result[0] if isinstance(result, tuple) else getattr(result, "success", True)
@@ -794,7 +741,7 @@ class SGLangEngine:
             raise RuntimeError(f"SGLang refused the weights at {model_path}: {result}")
 
     async def flush_cache(self) -> None:
-        result = await self._manager.flush_cache()
+        result = await self._engine.tokenizer_manager.flush_cache()
         if not getattr(result, "success", True):
             raise RuntimeError("SGLang could not flush its cache (requests are running)")
 
@@ -808,7 +755,7 @@ class SGLangEngine:
                 return
             if name in self._loras:
                 raise ValueError(f"adapter {name!r} is loaded from {self._loras[name]}; unload it before loading {path}")
-            result = await self._manager.load_lora_adapter(
+            result = await self._engine.tokenizer_manager.load_lora_adapter(
                 LoadLoRAAdapterReqInput(lora_name=name, lora_path=path), None)
             if not result.success:
                 raise ValueError(f"SGLang could not load {path}: {result.error_message}")
@@ -820,7 +767,7 @@ class SGLangEngine:
         async with self._lora_lock:
             if name not in self._loras:
                 return
-            result = await self._manager.unload_lora_adapter(
+            result = await self._engine.tokenizer_manager.unload_lora_adapter(
                 UnloadLoRAAdapterReqInput(lora_name=name), None)
             if not result.success:
                 raise RuntimeError(f"SGLang could not unload {name!r}: {result.error_message}")
@@ -840,7 +787,7 @@ class SGLangEngine:
                 raise UnsupportedOption(f"session {session.id!r} is not open on this engine (its worker restarted): "
                                         "start a new session")
             # SGLang's sessions keep a tree of turns: each turn names the one it follows (`rid`).
-            await self._manager.open_session(
+            await self._engine.tokenizer_manager.open_session(
                 OpenSessionReqInput(capacity_of_str_len=self.config.session_capacity_chars, session_id=session.id,
                                     timeout=self.config.session_idle_s), None)
             self._sessions[session.id] = None
@@ -855,14 +802,14 @@ class SGLangEngine:
             self._sessions[session.id] = request.request_id
         if session.closes:
             self._sessions.pop(session.id, None)
-            await self._manager.close_session(CloseSessionReqInput(session_id=session.id), None)
+            await self._engine.tokenizer_manager.close_session(CloseSessionReqInput(session_id=session.id), None)
 
     async def record_experts(self, action: ExpertRecording) -> None:
         if self.config.expert_distribution_recorder_mode is None and not self.config.enable_eplb:
             # Found on the H100: without a recorder mode SGLang's scheduler raises on this call and the engine dies.
             raise UnsupportedOption("the expert-distribution recorder is off: start the engine with "
                                     "CONVEYOR_SGLANG_EXPERT_DISTRIBUTION_RECORDER_MODE=stat (or per_pass, per_token)")
-        manager = self._manager
+        manager = self._engine.tokenizer_manager
         operation = {ExpertRecording.START: manager.start_expert_distribution_record,
                      ExpertRecording.STOP: manager.stop_expert_distribution_record,
                      ExpertRecording.DUMP: manager.dump_expert_distribution_record}[action]
