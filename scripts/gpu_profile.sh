@@ -5,9 +5,11 @@
 #   bash scripts/gpu_profile.sh OUT_DIR [CONCURRENCY] [TARGET...]     TARGET: server | conveyor (default: both)
 #
 # The server's profile is its main process (HTTP, tokenizer manager); Conveyor's are the decode worker (SGLang's
-# tokenizer manager and the reply path), the gateway (the last started, with GATEWAY_WORKERS) and the processor. Each target gets one aiperf warm-up run first
+# tokenizer manager and the reply path), the gateway (the last started, with GATEWAY_WORKERS) and the processor. Each
+# side also has its SGLang scheduler and detokenizer profiled: with a small model the scheduler's CPU caps both. Each target gets one aiperf warm-up run first
 # (the first run on a fresh stack is slower; WARMUP=0 skips it). Per target: OUT_DIR/prof-TARGET.json,
-# TARGET-profile-*.txt (collapsed stacks) and aiperf-TARGET.log.
+# TARGET-profiles.tgz (py-spy's collapsed stacks, one file per process) and aiperf-TARGET.log: six files in all, under
+# what a device call's $OUT brings back.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?"usage: gpu_profile.sh OUT_DIR [CONCURRENCY] [TARGET...]"}
@@ -25,12 +27,18 @@ for target in "${targets[@]}"; do
     case "$target" in
         server)
             url=http://127.0.0.1:30000
-            processes=("server=$(pgrep -f '^python3 -m [s]glang.launch_server' | head -1)")
+            main=$(pgrep -f '^python3 -m [s]glang.launch_server' | head -1) || true
+            [ -n "$main" ] || { echo "[gpu-profile] no server running: bash scripts/gpu_hold.sh server" >&2; exit 1; }
+            processes=("server=$main" "scheduler=$(pgrep -P "$main" -f scheduler | head -1)"
+                       "detokenizer=$(pgrep -P "$main" -f detokenizer | head -1)")
             metrics=()
             ;;
         conveyor)
             url=http://127.0.0.1:8000
-            processes=("decode=$(pgrep -f '[w]orkers.cli worker decode' | head -1)"
+            decode=$(pgrep -f '[w]orkers.cli worker decode' | head -1) || true
+            [ -n "$decode" ] || { echo "[gpu-profile] no stack running: bash scripts/gpu_hold.sh stack a" >&2; exit 1; }
+            processes=("decode=$decode" "scheduler=$(pgrep -P "$decode" -f scheduler | head -1)"
+                       "detokenizer=$(pgrep -P "$decode" -f detokenizer | head -1)"
                        "gateway=$(pgrep -f '[w]orkers.cli gateway --port 8000' | tail -1)"
                        "processor=$(pgrep -f '[w]orkers.cli worker processor' | head -1)")
             metrics=(--metrics decode=http://127.0.0.1:9102/metrics gateway=$url/metrics
@@ -48,5 +56,5 @@ for target in "${targets[@]}"; do
     bash scripts/gpu_run.sh python3 scripts/profile_processes.py "${processes[@]}" --busy-percent 30 --duration-s 10 \
         "${metrics[@]}" --out "/tmp/profile-$target" > "$out/prof-$target.json" 2> "/tmp/profile-$target.err" || true
     wait "$loader" || echo "[gpu-profile] $target: aiperf failed (see $out/aiperf-$target.log)" >&2
-    for file in "/tmp/profile-$target"/profile-*.txt; do cp "$file" "$out/$target-$(basename "$file")"; done
+    tar -C "/tmp/profile-$target" -czf "$out/$target-profiles.tgz" $(cd "/tmp/profile-$target" && ls profile-*.txt)
 done
