@@ -61,10 +61,7 @@ def stages_for(mode: ServingMode) -> list[Stage]:
 async def run_up(nats: NatsSettings, bus: BusSettings, embedded: bool, options: UpOptions) -> int:
     """Run the pipeline until done; SIGINT / SIGTERM at any point (even while the model loads) stops the
     workers and the embedded server before returning, so nothing is left running."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+    stop = _stop_on_signals()
     body = asyncio.create_task(_run(nats, bus, embedded, options, stop))
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait([body, stopped], return_when=asyncio.FIRST_COMPLETED)
@@ -75,6 +72,15 @@ async def run_up(nats: NatsSettings, bus: BusSettings, embedded: bool, options: 
         await asyncio.gather(body, return_exceptions=True)
         return 130
     return body.result()
+
+
+def _stop_on_signals() -> asyncio.Event:
+    """An event that SIGINT or SIGTERM sets, from this process's running loop."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    return stop
 
 
 async def _run(nats: NatsSettings, bus: BusSettings, embedded: bool, options: UpOptions, stop: asyncio.Event) -> int:
@@ -182,10 +188,7 @@ async def run_gateway_workers(command: list[str], num_workers: int, port: int) -
     """`conveyor gateway --workers N`: N gateway processes (`command`, each with `--reuse-port`) on one port; the
     kernel spreads the connections over them. Returns when SIGINT / SIGTERM stops them (0), or when one of them exits
     by itself (1: the others are stopped too, for a supervisor to start the whole gateway again)."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+    stop = _stop_on_signals()
     # SIGTERM when this parent dies, even by SIGKILL: no gateway is left holding the port.
     gateways = [subprocess.Popen(command, preexec_fn=dies_with_parent(signal.SIGTERM)) for _ in range(num_workers)]
     progress(f"{num_workers} gateway processes sharing port {port}")
