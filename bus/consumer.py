@@ -59,6 +59,7 @@ from bus.metrics import (
     TERMINATIONS,
 )
 from bus.publish import PRIOR_DELIVERIES_HEADER
+from bus.pull import Puller
 from bus.replies import ReplySender
 from bus.router import unpin
 from bus.settings import BusSettings
@@ -161,8 +162,8 @@ class WorkConsumer(Generic[TaskT]):
         self._worker_id = worker_id
         self._options = options
         self._in_progress_interval_s = options.in_progress_interval_s or settings.ack_wait_s / 3
-        self._subscription: JetStreamContext.PullSubscription | None = None
-        self._pinned: JetStreamContext.PullSubscription | None = None
+        self._subscription: Puller | None = None
+        self._pinned: Puller | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         # Reply streams of the handlers running now, to resync after a NATS reconnect.
         self._replies: set[ReplySender] = set()
@@ -217,12 +218,18 @@ class WorkConsumer(Generic[TaskT]):
         """Declare the shared durable consumer (idempotent) and bind a pull subscription to it."""
         durable = await self.declare()
         stream = self._names.work_stream(self.stage)
-        self._subscription = await self._js.pull_subscribe_bind(durable=durable, stream=stream)
+        self._subscription = await self._puller(stream, durable)
         if self._options.pinned:
             config = pinned_consumer_config(self._names, self.stage, self.model, self._worker_id, self._settings)
             await ensure_work_consumer(self._js, config, stream)
             assert config.durable_name is not None
-            self._pinned = await self._js.pull_subscribe_bind(durable=config.durable_name, stream=stream)
+            self._pinned = await self._puller(stream, config.durable_name)
+
+    async def _puller(self, stream: str, durable: str) -> Puller:
+        # The JetStream context's API prefix ($JS.API, or a domain's): nats-py keeps it as `_prefix`.
+        puller = Puller(self._nc, self._js._prefix, stream, durable)
+        await puller.start()
+        return puller
 
     async def queue_depth(self) -> tuple[int, int]:
         """The shared queue as JetStream counts it: tasks waiting for a worker, and tasks delivered but not yet acked
@@ -251,7 +258,7 @@ class WorkConsumer(Generic[TaskT]):
         finally:
             self._loop_done.set()
 
-    async def _pull(self, subscription: JetStreamContext.PullSubscription) -> None:
+    async def _pull(self, subscription: Puller) -> None:
         # A waiting pull asks for one task. nats-py holds a message delivered to a waiting pull of several until the
         # rest arrive or the pull expires (measured: 50–520 ms on a fraction of idle deliveries, against ~1 ms for a
         # pull of one). A full fetch means a backlog: the next asks for a batch, which the queued tasks fill at once.
@@ -284,7 +291,7 @@ class WorkConsumer(Generic[TaskT]):
             await asyncio.gather(*unfinished, return_exceptions=True)
         for subscription in (self._subscription, self._pinned):
             if subscription is not None:
-                await subscription.unsubscribe()
+                await _quietly(subscription.stop())
         if self._pinned is not None:
             # What routers pinned here and this worker will not run now goes to the other replicas (with NATS
             # away, the routers do it once this worker's card expires).
@@ -292,11 +299,9 @@ class WorkConsumer(Generic[TaskT]):
                                  self._options.pool))
         self._subscription = self._pinned = None
 
-    async def _fetch(self, subscription: JetStreamContext.PullSubscription, batch: int) -> list[Msg]:
+    async def _fetch(self, subscription: Puller, batch: int) -> list[Msg]:
         try:
-            return await subscription.fetch(batch=batch, timeout=self._options.fetch_timeout_s)
-        except TimeoutError:
-            return []
+            return await subscription.fetch(batch, self._options.fetch_timeout_s)
         except NatsError as error:
             # NATS is away or restarting (closed, reconnecting, no responders, a leader being elected): the client
             # reconnects; keep asking, but not in a hot loop. Any of these ending the loop would stop the worker.
