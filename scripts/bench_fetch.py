@@ -1,10 +1,13 @@
-"""How long a task published to an idle stage waits before its worker has it: a pull of 8 against Conveyor's pull.
+"""How long a task published to an idle stage waits before its worker has it: nats-py's pulls against Conveyor's.
 
-A waiting JetStream pull for several messages can hold a delivered message until the rest arrive or the pull
-expires (nats-py's `fetch(batch=8)`), so now and then one task waits tens to hundreds of milliseconds at an idle
+A waiting JetStream pull for several messages could hold a delivered message until the rest arrived or the pull
+expired (nats-py's `fetch(batch=8)`), so now and then one task waited tens to hundreds of milliseconds at an idle
 stage. Conveyor's consumer (bus/consumer.py) asks for one task while it waits and for a batch only after a full
-fetch (a backlog). This runs both patterns side by side against one embedded nats-server, publishing single
-tasks at random gaps (50–500 ms: an idle stage), and prints delivery latency percentiles and the slow deliveries.
+fetch (a backlog), and since the sixteenth stop it pulls with its own requests on its own inbox (bus/pull.py) instead
+of nats-py's `fetch`. This runs the patterns side by side against one embedded nats-server, publishing single tasks
+at random gaps (50–500 ms: an idle stage), and prints delivery latency percentiles and the slow deliveries:
+`pull of 8` (nats-py), `fetch 1/8` (nats-py's fetch with Conveyor's batch rule: what the consumer did before),
+`conveyor` (bus/pull.py with that rule).
 
     .venv/bin/python scripts/bench_fetch.py --tasks 100 --rounds 3
     .venv/bin/python scripts/bench_fetch.py --tasks 100 --rounds 3 --floor   # + push consumer, core NATS
@@ -26,6 +29,7 @@ from nats.aio.msg import Msg  # noqa: E402
 from nats.errors import TimeoutError as NatsTimeoutError  # noqa: E402
 from nats.js.api import AckPolicy, ConsumerConfig  # noqa: E402
 
+from bus.pull import Puller  # noqa: E402
 from bus.server import EmbeddedNatsServer  # noqa: E402
 
 SLOW_MS = 5.0
@@ -33,14 +37,15 @@ SLOW_MS = 5.0
 
 async def deliveries_ms(url: str, name: str, pattern: str, num_tasks: int, seed: int) -> list[float]:
     """Publish → received latencies of single tasks at random gaps, for one delivery pattern: `pull of 8`,
-    `conveyor` (a pull of one while idle, bus/consumer.py), `push` (a JetStream push consumer shared by a queue group)
+    `fetch 1/8` (nats-py's fetch of one while idle, of 8 after a full fetch), `conveyor` (the same rule through
+    bus/pull.py), `push` (a JetStream push consumer shared by a queue group)
     or `core` (a core-NATS queue subscription: no stream, the floor of a hop)."""
     nc = await nats.connect(url)  # the worker's connection
     publisher = await nats.connect(url)
     js = nc.jetstream()
     await js.add_stream(name=name, subjects=[f"{name}.>"])
     received: list[float] = []
-    puller: asyncio.Task[None] | None = None
+    pulling: asyncio.Task[None] | None = None
 
     async def take(msg: Msg) -> None:
         received.append(time.perf_counter())
@@ -54,13 +59,22 @@ async def deliveries_ms(url: str, name: str, pattern: str, num_tasks: int, seed:
         await nc.subscribe(f"{name}.core", queue="workers", cb=take)
     else:
         subscription = await js.pull_subscribe(f"{name}.task", durable="worker")
-        adaptive = pattern == "conveyor"
+        adaptive = pattern != "pull of 8"
+        if pattern == "conveyor":
+            await subscription.unsubscribe()
+            puller = Puller(nc, "$JS.API", name, "worker")
+            await puller.start()
+
+        async def fetch(batch: int) -> list[Msg]:
+            if pattern == "conveyor":
+                return await puller.fetch(batch, timeout_s=1.0)
+            return await subscription.fetch(batch=batch, timeout=1.0)
 
         async def pull() -> None:
             batch = 1 if adaptive else 8
             while True:
                 try:
-                    msgs = await subscription.fetch(batch=batch, timeout=1.0)
+                    msgs = await fetch(batch)
                 except (TimeoutError, NatsTimeoutError):
                     msgs = []
                 for msg in msgs:
@@ -68,7 +82,7 @@ async def deliveries_ms(url: str, name: str, pattern: str, num_tasks: int, seed:
                 if adaptive:
                     batch = 8 if msgs and len(msgs) == batch else 1
 
-        puller = asyncio.create_task(pull())
+        pulling = asyncio.create_task(pull())
     await asyncio.sleep(1.5)
     rng, latencies = random.Random(seed), []
     for index in range(num_tasks):
@@ -82,9 +96,9 @@ async def deliveries_ms(url: str, name: str, pattern: str, num_tasks: int, seed:
         while len(received) <= index:
             await asyncio.sleep(0.0002)
         latencies.append((received[index] - sent) * 1000)
-    if puller is not None:
-        puller.cancel()
-        await asyncio.gather(puller, return_exceptions=True)
+    if pulling is not None:
+        pulling.cancel()
+        await asyncio.gather(pulling, return_exceptions=True)
     await publisher.close()
     await nc.close()
     return latencies
@@ -98,7 +112,7 @@ def summary(latencies: list[float]) -> str:
 
 
 async def main(args: argparse.Namespace) -> None:
-    patterns = ["pull of 8", "conveyor"] + (["push", "core"] if args.floor else [])
+    patterns = ["pull of 8", "fetch 1/8", "conveyor"] + (["push", "core"] if args.floor else [])
     results: dict[str, list[float]] = {pattern: [] for pattern in patterns}
     with EmbeddedNatsServer() as server:
         for round_index in range(args.rounds):
