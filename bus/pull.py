@@ -1,9 +1,10 @@
 """Pulling tasks from a durable JetStream consumer: one pull request at a time, answered on this worker's own inbox.
 
-What `WorkConsumer` asks of JetStream is "up to n tasks, as soon as there is one". JetStream answers exactly that to a
-pull request with both `no_wait` and `expires`: it waits (up to `expires`) for the first task, sends every task that
-is queued then (up to n), and ends the request with a `404 No Messages` status when it sent fewer than n (`408` when
-it expired with none). So one request per pull, and the tasks reach a callback on this inbox directly.
+What `WorkConsumer` asks of JetStream is "up to n tasks, as soon as there is one". A pull request of one with
+`expires` is exactly that, and for n > 1 JetStream (2.10 and later) answers a request with both `no_wait` and `expires`
+so: it waits (up to `expires`) for the first task, sends every task that is queued then (up to n), and ends the request
+with a `404 No Messages` status when it sent fewer than n (`408` when it expired with none). So one request per pull,
+and the tasks reach a callback on this inbox directly.
 
 nats-py's `PullSubscription.fetch` does the same in more steps: a batch first sends a no-wait probe and then a lingering
 request, and every message goes through a task per `next_msg` and `asyncio.wait_for`. On a 2-core machine, a task
@@ -80,7 +81,12 @@ class Puller:
         loop = asyncio.get_running_loop()
         self._wanted, self._refusal = batch, None
         self._ended = ended = loop.create_future()
-        request = {"batch": batch, "expires": int(timeout_s * 1e9), "no_wait": True}
+        request: dict[str, int | bool] = {"batch": batch, "expires": int(timeout_s * 1e9)}
+        if batch > 1:
+            # A pull of one ends with its task anyway. Only a batch needs `no_wait` to end after the tasks queued now,
+            # and a batch is asked for only while tasks are queued: a server that took `no_wait` without the wait
+            # (older than the semantics above) answers it at once either way, and never spins an idle worker.
+            request["no_wait"] = True
         await self._nc.publish(self._next_subject, json.dumps(request).encode(), reply=self._inbox)
         give_up = loop.call_later(timeout_s + _EXPIRY_GRACE_S, _end, ended)
         try:
