@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from bus.pull import PullRefused, Puller
+from bus.pull import Puller, PullRefused
 from bus.streams import ensure_work_consumer, work_consumer_config
 from schemas.registry import Stage
 from tests.conftest import Bus
