@@ -162,7 +162,8 @@ class WorkConsumer(Generic[TaskT]):
         self._worker_id = worker_id
         self._options = options
         self._in_progress_interval_s = options.in_progress_interval_s or settings.ack_wait_s / 3
-        self._subscription: Puller | None = None
+        # Pulls from the stage's shared queue, and (a routed stage) from this worker's pinned tasks.
+        self._shared: Puller | None = None
         self._pinned: Puller | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         # Reply streams of the handlers running now, to resync after a NATS reconnect.
@@ -182,7 +183,7 @@ class WorkConsumer(Generic[TaskT]):
 
     @property
     def bound(self) -> bool:
-        return self._subscription is not None and not self._stopping.is_set()
+        return self._shared is not None and not self._stopping.is_set()
 
     @property
     def in_flight(self) -> int:
@@ -215,17 +216,17 @@ class WorkConsumer(Generic[TaskT]):
         asyncio.get_running_loop().call_later(2 * self._settings.heartbeat_timeout_s, self._replies.discard, reply)
 
     async def bind(self) -> None:
-        """Declare the shared durable consumer (idempotent) and bind a pull subscription to it."""
+        """Declare the shared durable consumer (idempotent) and start pulling from it."""
         durable = await self.declare()
         stream = self._names.work_stream(self.stage)
-        self._subscription = await self._puller(stream, durable)
+        self._shared = await self._start_puller(stream, durable)
         if self._options.pinned:
             config = pinned_consumer_config(self._names, self.stage, self.model, self._worker_id, self._settings)
             await ensure_work_consumer(self._js, config, stream)
             assert config.durable_name is not None
-            self._pinned = await self._puller(stream, config.durable_name)
+            self._pinned = await self._start_puller(stream, config.durable_name)
 
-    async def _puller(self, stream: str, durable: str) -> Puller:
+    async def _start_puller(self, stream: str, durable: str) -> Puller:
         # The JetStream context's API prefix ($JS.API, or a domain's): nats-py keeps it as `_prefix`.
         puller = Puller(self._nc, self._js._prefix, stream, durable)
         await puller.start()
@@ -249,19 +250,19 @@ class WorkConsumer(Generic[TaskT]):
 
     async def run(self) -> None:
         """Pull and handle work until `stop()`; returns once the loop has stopped fetching."""
-        if self._subscription is None:
+        if self._shared is None:
             await self.bind()
-        assert self._subscription is not None
+        assert self._shared is not None
         try:
-            # One loop per subject pulled (the shared queue; this worker's pinned tasks), sharing the slots.
-            await asyncio.gather(*(self._pull(s) for s in (self._subscription, self._pinned) if s is not None))
+            # One loop per consumer pulled (the shared queue; this worker's pinned tasks), sharing the slots.
+            await asyncio.gather(*(self._pull(puller) for puller in (self._shared, self._pinned) if puller is not None))
         finally:
             self._loop_done.set()
 
-    async def _pull(self, subscription: Puller) -> None:
-        # A waiting pull asks for one task. nats-py holds a message delivered to a waiting pull of several until the
-        # rest arrive or the pull expires (measured: 50–520 ms on a fraction of idle deliveries, against ~1 ms for a
-        # pull of one). A full fetch means a backlog: the next asks for a batch, which the queued tasks fill at once.
+    async def _pull(self, puller: Puller) -> None:
+        # A waiting pull asks for one task, handed over alone the moment it comes (nats-py's fetch of several, which
+        # this consumer used before bus/pull.py, could hold it 50–520 ms waiting for the rest). A full fetch means a
+        # backlog: the next asks for a batch, which the queued tasks fill at once.
         batch = 1
         while not self._stopping.is_set():
             if not self._unpaused.is_set():
@@ -273,7 +274,7 @@ class WorkConsumer(Generic[TaskT]):
                 await self._slot_freed.wait()
                 continue
             asked = min(free_slots, batch)
-            msgs = await self._fetch(subscription, asked)
+            msgs = await self._fetch(puller, asked)
             for msg in msgs:
                 self._spawn(msg)
             batch = self._options.fetch_batch if len(msgs) == asked else 1
@@ -282,26 +283,26 @@ class WorkConsumer(Generic[TaskT]):
         """Stop fetching, give running handlers `grace_s` to finish, hand the rest back (nak)."""
         self._stopping.set()
         self._slot_freed.set()
-        if self._subscription is not None:
+        if self._shared is not None:
             await self._loop_done.wait()
         if self._tasks:
             _, unfinished = await asyncio.wait(set(self._tasks), timeout=grace_s)
             for task in unfinished:
                 task.cancel()
             await asyncio.gather(*unfinished, return_exceptions=True)
-        for subscription in (self._subscription, self._pinned):
-            if subscription is not None:
-                await _quietly(subscription.stop())
+        for puller in (self._shared, self._pinned):
+            if puller is not None:
+                await _quietly(puller.stop())
         if self._pinned is not None:
             # What routers pinned here and this worker will not run now goes to the other replicas (with NATS
             # away, the routers do it once this worker's card expires).
             await _quietly(unpin(self._js, self._names, self._settings, self.stage, self.model, self._worker_id,
                                  self._options.pool))
-        self._subscription = self._pinned = None
+        self._shared = self._pinned = None
 
-    async def _fetch(self, subscription: Puller, batch: int) -> list[Msg]:
+    async def _fetch(self, puller: Puller, batch: int) -> list[Msg]:
         try:
-            return await subscription.fetch(batch, self._options.fetch_timeout_s)
+            return await puller.fetch(batch, self._options.fetch_timeout_s)
         except NatsError as error:
             # NATS is away or restarting (closed, reconnecting, no responders, a leader being elected): the client
             # reconnects; keep asking, but not in a hot loop. Any of these ending the loop would stop the worker.
