@@ -20,6 +20,8 @@ import asyncio
 import random
 import sys
 import time
+from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -58,17 +60,14 @@ async def deliveries_ms(url: str, name: str, pattern: str, num_tasks: int, seed:
     elif pattern == "core":
         await nc.subscribe(f"{name}.core", queue="workers", cb=take)
     else:
-        subscription = await js.pull_subscribe(f"{name}.task", durable="worker")
+        subscription = await js.pull_subscribe(f"{name}.task", durable="worker")  # declares the durable consumer
         adaptive = pattern != "pull of 8"
+        fetch: Callable[[int], Awaitable[list[Msg]]] = lambda batch: subscription.fetch(batch=batch, timeout=1.0)
         if pattern == "conveyor":
-            await subscription.unsubscribe()
+            await subscription.unsubscribe()  # the consumer stays; Conveyor's puller pulls from it instead
             puller = Puller(nc, "$JS.API", name, "worker")
             await puller.start()
-
-        async def fetch(batch: int) -> list[Msg]:
-            if pattern == "conveyor":
-                return await puller.fetch(batch, timeout_s=1.0)
-            return await subscription.fetch(batch=batch, timeout=1.0)
+            fetch = partial(puller.fetch, timeout_s=1.0)
 
         async def pull() -> None:
             batch = 1 if adaptive else 8

@@ -6,10 +6,10 @@
 #
 # The server's profile is its main process (HTTP, tokenizer manager); Conveyor's are the decode worker (SGLang's
 # tokenizer manager and the reply path), the gateway (the last started, with GATEWAY_WORKERS) and the processor. Each
-# side also has its SGLang scheduler and detokenizer profiled: with a small model the scheduler's CPU caps both. Each target gets one aiperf warm-up run first
-# (the first run on a fresh stack is slower; WARMUP=0 skips it). Per target: OUT_DIR/prof-TARGET.json,
-# TARGET-profiles.tgz (py-spy's collapsed stacks, one file per process) and aiperf-TARGET.log: six files in all, under
-# what a device call's $OUT brings back.
+# side also has its SGLang scheduler and detokenizer profiled: with a small model the scheduler's CPU caps both. Each
+# target gets one aiperf warm-up run first (the first run on a fresh stack is slower; WARMUP=0 skips it). Per target:
+# OUT_DIR/prof-TARGET.json, TARGET-profiles.tgz (py-spy's collapsed stacks, one file per process) and
+# aiperf-TARGET.log: six files in all, under what a device call's $OUT brings back.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?"usage: gpu_profile.sh OUT_DIR [CONCURRENCY] [TARGET...]"}

@@ -196,10 +196,9 @@ async def drive(args: argparse.Namespace, trace_dir: Path) -> dict[str, dict[str
     return client_points
 
 
-def assemble(client_points: dict[str, dict[str, float]], trace_dir: Path) -> dict[str, dict[str, float]]:
-    """Each request's points: stamped with its id, or (no id at hand) the first stamp of that point after the
-    request's previous point."""
-    by_request = client_points
+def assemble(by_request: dict[str, dict[str, float]], trace_dir: Path) -> dict[str, dict[str, float]]:
+    """Each request's points (the client's, given) with the workers' added: those stamped with its id, and for those
+    stamped without one, the first stamp of that point after the request's point before it."""
     unnamed: dict[str, list[float]] = {}
     for path in trace_dir.glob("*.jsonl"):
         for line in path.read_text().splitlines():
@@ -211,19 +210,21 @@ def assemble(client_points: dict[str, dict[str, float]], trace_dir: Path) -> dic
     for stamps in unnamed.values():
         stamps.sort()
     for points in by_request.values():
-        for point, after in (("processor.socket", "processor.stored"), ("decode.socket", "decode.stored")):
-            points[point] = _first_after(unnamed.get(point, []), points.get(after))
-        points["first_frame_out"] = _first_after(unnamed.get("frames_out", []), points.get("engine.first_token"))
+        for point, stamped_as, after in (("processor.socket", "processor.socket", "processor.stored"),
+                                         ("decode.socket", "decode.socket", "decode.stored"),
+                                         ("first_frame_out", "frames_out", "engine.first_token")):
+            found = _first_after(unnamed.get(stamped_as, []), points.get(after))
+            if found is not None:
+                points[point] = found
     return by_request
 
 
-def _first_after(stamps: list[float], after: float | None) -> float:
-    return next((t for t in stamps if after is not None and t >= after), float("nan"))
+def _first_after(stamps: list[float], after: float | None) -> float | None:
+    return None if after is None else next((t for t in stamps if t >= after), None)
 
 
 def report(by_request: dict[str, dict[str, float]]) -> None:
-    complete = [points for points in by_request.values()
-                if all(point in points and points[point] == points[point] for point in POINTS)]
+    complete = [points for points in by_request.values() if all(point in points for point in POINTS)]
     print(f"{len(complete)} requests one at a time, medians in ms (mock engine: 5 ms to the first token)")
     total_ms = 0.0
     for before, point in pairwise(POINTS):
