@@ -37,6 +37,9 @@ MEASURES = {
     "TTFT p99": ("time_to_first_token", "p99"),
     "ITL p50": ("inter_token_latency", "p50"),
     "ITL p99": ("inter_token_latency", "p99"),
+    # aiperf's ITL is per request ((end - first token) / (tokens - 1)); this is every gap between two chunks, as
+    # bench_serving computes its ITL: a stall shared by all streams shows here and hardly in the per-request figure.
+    "gap p99": ("inter_chunk_latency", "p99"),
 }
 # Issue 11's load: prompts of 128–1024 tokens, outputs of 128–512 (aiperf draws uniformly from mean·(1 ± ratio)).
 INPUT_TOKENS_MEAN, INPUT_RANGE_RATIO = 576, 0.778
@@ -65,7 +68,7 @@ def aiperf_command(args: argparse.Namespace, url: str, concurrency: int, seed: i
         "--random-range-ratio", json.dumps({"input": INPUT_RANGE_RATIO, "output": OUTPUT_RANGE_RATIO}),
         "--extra-inputs", "ignore_eos:true", "--random-seed", str(seed),
         "--output-artifact-dir", str(out_dir), "--no-server-metrics", "--no-gpu-telemetry", "--ui-type", "none",
-    ]
+    ] + (["--workers-max", str(args.workers_max)] if args.workers_max else [])
 
 
 def run_aiperf(args: argparse.Namespace, url: str, concurrency: int, seed: int, out_dir: Path) -> dict[str, float]:
@@ -73,6 +76,7 @@ def run_aiperf(args: argparse.Namespace, url: str, concurrency: int, seed: int, 
     a ratio over a partial run would be meaningless."""
     out_dir.mkdir(parents=True, exist_ok=True)
     command = aiperf_command(args, url, concurrency, seed, out_dir)
+    started_s = time.monotonic()
     # aiperf's offline mode looks a tokenizer up in the HF cache even when it is given a folder; without it, a local
     # folder loads with no network access (scripts/gpu_run.sh sets both variables for SGLang).
     env = {key: value for key, value in os.environ.items() if key not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
@@ -87,6 +91,8 @@ def run_aiperf(args: argparse.Namespace, url: str, concurrency: int, seed: int, 
     error_rate = summary.get("request_error_rate", {}).get("avg", 0.0)
     if error_rate:
         raise RuntimeError(f"{error_rate:.1f}% of requests failed against {url} (see {out_dir})")
+    load_s = float(summary["benchmark_duration"]["avg"])
+    say(f"  aiperf took {time.monotonic() - started_s:.0f} s, {load_s:.0f} s of it under load")
     return {name: float(summary[metric][statistic]) for name, (metric, statistic) in MEASURES.items()}
 
 
@@ -109,8 +115,9 @@ def print_level(concurrency: int, rounds: dict[str, list[dict[str, float]]]) -> 
                              for mine, theirs in zip(rounds[name], rounds[reference]))
         print(f"{name:<10} | tok/s ratio by round: {by_round}")
     for name in names:
-        tails = ", ".join(f"{row['ITL p99']:.1f} (TTFT {row['TTFT p50']:.0f})" for row in rounds[name])
-        print(f"{name:<10} | ITL p99 ms by round (TTFT p50 ms): {tails}")
+        tails = ", ".join(f"{row['ITL p99']:.1f} / {row['gap p99']:.1f} (TTFT {row['TTFT p50']:.0f})"
+                          for row in rounds[name])
+        print(f"{name:<10} | ITL p99 / gap p99 ms by round (TTFT p50 ms): {tails}")
     sys.stdout.flush()
 
 
@@ -126,6 +133,12 @@ def main() -> None:
     parser.add_argument("--requests-per-stream", type=int, default=4,
                         help="requests per concurrent stream in a run (default 4)")
     parser.add_argument("--min-requests", type=int, default=16)
+    parser.add_argument("--warmup-runs", type=int, default=1,
+                        help="runs per system before the first level's rounds, not counted: a fresh SGLang compiles "
+                             "for new batch shapes in its first run (default 1)")
+    parser.add_argument("--workers-max", type=int, default=None,
+                        help="aiperf's worker processes (its default: up to 3/4 of the CPUs, at most 32; each "
+                             "takes seconds to start)")
     parser.add_argument("--seed-base", type=int, default=None,
                         help="repeat a run's prompts (default: drawn afresh, and printed)")
     parser.add_argument("--run-timeout-s", type=float, default=600.0)
@@ -138,6 +151,11 @@ def main() -> None:
     say(f"seed base {seed_base} (--seed-base {seed_base} repeats these prompts)")
 
     urls = dict(args.targets)
+    for warmup_index in range(args.warmup_runs):
+        for name, url in urls.items():
+            say(f"warm-up {warmup_index + 1}/{args.warmup_runs} at concurrency {args.concurrency[0]}: {name}")
+            run_aiperf(args, url, args.concurrency[0], seed_base + 999 - warmup_index,
+                       args.out / "warmup" / f"{name}-{warmup_index}")
     results: dict[int, dict[str, list[dict[str, float]]]] = {}
     for concurrency in args.concurrency:
         rounds: dict[str, list[dict[str, float]]] = {name: [] for name in urls}
@@ -151,7 +169,8 @@ def main() -> None:
                 say(f"  {name}: " + ", ".join(f"{key} {value:.1f}" for key, value in row.items()))
         results[concurrency] = rounds
         print_level(concurrency, rounds)
-    (args.out / "results.json").write_text(json.dumps({"seed_base": seed_base, "levels": results}, indent=1))
+        # Written after every level, so that a run cut off by a time limit keeps the levels it finished.
+        (args.out / "results.json").write_text(json.dumps({"seed_base": seed_base, "levels": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ mkdir -p "$out"
 
 aiperf() {  # aiperf NAME URL REQUESTS_PER_STREAM
     bash scripts/gpu_run.sh python3 scripts/bench_aiperf.py --tokenizer .gpu/smol "$1=$2" --concurrency "$concurrency" \
-        --rounds 1 --requests-per-stream "$3" --out "/tmp/aiperf-$1"
+        --rounds 1 --warmup-runs 0 --requests-per-stream "$3" --out "/tmp/aiperf-$1"
 }
 
 for target in "${targets[@]}"; do

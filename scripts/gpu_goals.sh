@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# On the GPU machine, with the server and stack a held (scripts/gpu_hold.sh): every row of issue 11's goal table in
+# one run, in the background, so that it outlives the device call that starts it (a call lasts at most 600 s).
+#
+#   bash scripts/gpu_goals.sh start [ROUNDS]   start the run (default 3 rounds per level); returns at once
+#   bash scripts/gpu_goals.sh wait SECONDS OUT wait until the run ends or SECONDS pass; copy what it has to OUT
+#
+# Steps, in order of what the goals need most (each step's output: /tmp/goals/<step>.log):
+#   aiperf    scripts/bench_aiperf.py: the server and stack a at 64, 256, 16 and 1 streams, one warm-up run each
+#   ttft      scripts/bench_ttft.py: the first token at one stream, paired prompt by prompt
+#   scale     scripts/bench_scale.py: the mock engine with 1, 2, 4 and 8 decode replicas (CPU only)
+#   fanin     scripts/bench_fanin.py: tokens/s into one receiving process (CPU only)
+#   serving   scripts/bench_vs_sglang.py: bench_serving's bursts at 64 streams, with the server's own control
+# A step that fails is logged and the next one runs. /tmp/goals/done marks the end.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dir=/tmp/goals
+server=http://127.0.0.1:30000
+stack=http://127.0.0.1:8000
+
+step() {  # step NAME COMMAND...: run one step under gpu_run.sh, its output to its log, its status noted
+    local name=$1; shift
+    echo "[gpu-goals $(date +%T)] $name: $*" >> "$dir/progress.log"
+    if bash scripts/gpu_run.sh "$@" > "$dir/$name.log" 2>&1; then status=ok; else status="failed ($?)"; fi
+    echo "[gpu-goals $(date +%T)] $name: $status" >> "$dir/progress.log"
+}
+
+run_all() {
+    local rounds=$1
+    step aiperf python3 scripts/bench_aiperf.py --tokenizer .gpu/smol "sglang=$server" "conveyor=$stack" \
+        --concurrency 64 256 16 1 --rounds "$rounds" --workers-max 4 --out "$dir/aiperf"
+    step ttft python3 scripts/bench_ttft.py --model .gpu/smol "$server" "$stack"
+    step scale python3 scripts/bench_scale.py --rounds 1
+    step fanin python3 scripts/bench_fanin.py --senders 8 --streams 1024 --tokens-per-frame 1 8 --rounds 2
+    step serving python3 scripts/bench_vs_sglang.py --model .gpu/smol --sglang-url "$server" --conveyor-url "$stack" \
+        --control --concurrency 64 --rounds 6 --min-prompts 16 --max-running-requests 128 --nats-clients 0 \
+        --out "$dir/serving"
+    touch "$dir/done"
+}
+
+case "${1:-}" in
+    start)
+        rm -rf "$dir" && mkdir -p "$dir"
+        (setsid nohup bash "$0" run "${2:-3}" > "$dir/run.log" 2>&1 < /dev/null &)
+        echo "[gpu-goals] started; progress in $dir/progress.log"
+        ;;
+    run)
+        run_all "$2"
+        ;;
+    wait)
+        seconds=${2:?"wait SECONDS OUT"}; out=${3:?"wait SECONDS OUT"}
+        for _ in $(seq "$seconds"); do [ -f "$dir/done" ] && break; sleep 1; done
+        mkdir -p "$out"
+        cp "$dir"/*.log "$out"/ 2>/dev/null || true
+        cp "$dir/aiperf/results.json" "$out/aiperf-results.json" 2>/dev/null || true
+        cat "$dir/progress.log"
+        if [ -f "$dir/done" ]; then echo "[gpu-goals] done"; else echo "[gpu-goals] still running"; fi
+        ;;
+    *)
+        sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
+        exit 2
+        ;;
+esac
