@@ -53,7 +53,15 @@ def start_stack(args: argparse.Namespace, replicas: int, logs: Path) -> vs.Serve
         servers.spawn(f"processor-{index}", worker[:4] + ["processor"] + worker[4:], env)
     for index in range(replicas):
         servers.spawn(f"decode-{index}", worker[:4] + ["decode"] + worker[4:], env)
-    vs.asyncio.run(wait_ready(servers, replicas + max(1, replicas // 2), args.start_timeout_s))
+    try:
+        vs.asyncio.run(wait_ready(servers, replicas + max(1, replicas // 2), args.start_timeout_s))
+    except BaseException:
+        # Say why from the processes' own logs, and leave nothing running behind a failed start.
+        for log in sorted(logs.glob("*.log")):
+            lines = log.read_text(errors="replace").splitlines()[-8:]
+            vs.say(f"{log.name} ends:\n    " + "\n    ".join(lines or ["(empty)"]))
+        servers.stop()
+        raise
     return servers
 
 
