@@ -151,6 +151,8 @@ def main() -> None:
     say(f"seed base {seed_base} (--seed-base {seed_base} repeats these prompts)")
 
     urls = dict(args.targets)
+    # Warm-up prompts get seeds below every level's (seed_base + 1000 * concurrency + round), so no counted run
+    # finds them cached.
     for warmup_index in range(args.warmup_runs):
         for name, url in urls.items():
             say(f"warm-up {warmup_index + 1}/{args.warmup_runs} at concurrency {args.concurrency[0]}: {name}")
