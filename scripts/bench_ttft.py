@@ -1,18 +1,27 @@
-"""Time to first token at one stream, paired request by request between OpenAI-compatible servers.
+"""One stream, paired request by request between OpenAI-compatible servers: first token, token rate, inter-token gaps.
 
-bench_serving alternates whole runs between two servers, so a few milliseconds of difference drown in what changes
-between runs (prompt mix, GPU clocks, the machine's other load). This client sends each prompt to every target in
-turn, one request at a time (the order alternating prompt by prompt), and prints each target's TTFT percentiles and
-the median of the per-prompt differences against the first target: the latency one system adds over another.
+bench_serving and aiperf alternate whole runs between two servers, so a few milliseconds of difference drown in what
+changes between runs (prompt mix, GPU clocks, the machine's other load: on the H100 machine one system's per-token
+time at one stream moved 1.9 → 2.6 ms from one run to the next). This client sends each prompt to every target in
+turn, one request at a time (the order alternating prompt by prompt), so every target meets the same machine state,
+and prints each target's TTFT percentiles and the median of the per-prompt differences against the first target:
+the latency one system adds over another.
 
 Prompts are random token ids of the model's tokenizer, 1/4 to all of `--prompt-tokens` long, sent as text; a target
 written `URL#ids` gets the same prompts as token ids instead (no tokenizer on its path). Each request streams
-`--max-tokens` tokens; TTFT is the time to the first `data:` event that carries text.
+`--max-tokens` tokens (or a number drawn per prompt from `--min-tokens` to `--max-tokens`, the same for every
+target); TTFT is the time to the first `data:` event that carries text. With more than a few tokens per request it
+also prints what aiperf reports at one stream, paired: output tokens/s (all tokens over all request time), each
+request's inter-token latency ((last - first event) / (tokens - 1), p50 and p99 over requests) and the p99 of every
+gap between two events, each as a ratio to the first target.
 
     # SGLang's own server against Conveyor's gateway, both serving .gpu/smol (docs/gpu.md):
     python scripts/bench_ttft.py --model .gpu/smol http://127.0.0.1:30000 http://127.0.0.1:8000
     # the same with token-id prompts (tokenization left out of both):
     python scripts/bench_ttft.py --model .gpu/smol 'http://127.0.0.1:30000#ids' 'http://127.0.0.1:8000#ids'
+    # issue 11's one-stream load (outputs of 128–512 tokens): token rate and inter-token latency, paired
+    python scripts/bench_ttft.py --model .gpu/smol --requests 60 --min-tokens 128 --max-tokens 512 \
+        http://127.0.0.1:30000 http://127.0.0.1:8000
 """
 
 from __future__ import annotations
@@ -26,6 +35,9 @@ import time
 from dataclasses import dataclass
 
 import aiohttp
+
+# Below this many tokens a request is mostly its first token: no token rate or inter-token latency is printed.
+MIN_TOKENS_FOR_RATES = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,21 +56,43 @@ class Target:
         return self.url + ("#ids" if self.as_ids else "")
 
 
-async def first_token_ms(session: aiohttp.ClientSession, target: Target, model: str, text: str, ids: list[int],
-                         max_tokens: int) -> float:
-    body = {"model": model, "prompt": ids if target.as_ids else text, "max_tokens": max_tokens, "stream": True,
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """One request's timing: when each event with text arrived, ms after the request was sent."""
+
+    num_tokens: int
+    event_ms: list[float]
+    end_ms: float
+
+    @property
+    def ttft_ms(self) -> float:
+        return self.event_ms[0]
+
+    @property
+    def itl_ms(self) -> float:
+        """aiperf's per-request inter-token latency: the time after the first token over the tokens after it."""
+        return (self.event_ms[-1] - self.event_ms[0]) / max(1, self.num_tokens - 1)
+
+    @property
+    def gaps_ms(self) -> list[float]:
+        return [later - earlier for earlier, later in zip(self.event_ms, self.event_ms[1:])]
+
+
+async def stream_once(session: aiohttp.ClientSession, target: Target, model: str, text: str, ids: list[int],
+                      num_tokens: int) -> Stream:
+    body = {"model": model, "prompt": ids if target.as_ids else text, "max_tokens": num_tokens, "stream": True,
             "ignore_eos": True}
     started = time.perf_counter()
-    first_ms: float | None = None
+    event_ms: list[float] = []
     async with session.post(f"{target.url}/v1/completions", json=body) as response:
         if response.status != 200:
             raise RuntimeError(f"{target}: HTTP {response.status}: {(await response.text())[:300]}")
         async for line in response.content:  # read to the end: the next request starts on an idle server
-            if first_ms is None and line.startswith(b"data: ") and b'"text"' in line:
-                first_ms = (time.perf_counter() - started) * 1000
-    if first_ms is None:
+            if line.startswith(b"data: ") and b'"text"' in line:
+                event_ms.append((time.perf_counter() - started) * 1000)
+    if not event_ms:
         raise RuntimeError(f"{target}: the stream ended without a token")
-    return first_ms
+    return Stream(num_tokens, event_ms, (time.perf_counter() - started) * 1000)
 
 
 def random_prompts(model: str, count: int, max_tokens: int, seed: int) -> list[tuple[str, list[int]]]:
@@ -80,28 +114,61 @@ def percentiles(values: list[float]) -> str:
     return f"p10 {deciles[0]:6.2f}  p50 {statistics.median(values):6.2f}  p90 {deciles[-1]:6.2f} ms"
 
 
+def p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100)[-1]
+
+
+def stream_measures(streams: list[Stream]) -> dict[str, float]:
+    """What aiperf reports at one stream, from these requests."""
+    itls = [stream.itl_ms for stream in streams]
+    return {
+        "tok/s": 1000 * sum(stream.num_tokens for stream in streams) / sum(stream.end_ms for stream in streams),
+        "ITL p50": statistics.median(itls),
+        "ITL p99": p99(itls),
+        "gap p99": p99([gap for stream in streams for gap in stream.gaps_ms]),
+    }
+
+
+def print_streams(kept: dict[Target, list[Stream]], base: Target) -> None:
+    """Token rate and inter-token latency per target, with each as a ratio to the base's over the same prompts."""
+    measures = {target: stream_measures(streams) for target, streams in kept.items()}
+    num_tokens = sum(stream.num_tokens for stream in kept[base])
+    print(f"whole streams ({num_tokens} tokens per target; ratio = target ÷ {base})")
+    print(f"  {'target':40s} " + " ".join(f"{name:>9s}{'':7s}" for name in measures[base]))
+    for target, row in measures.items():
+        cells = [f"{value:9.2f}" + (f" {value / measures[base][name]:5.2f}×" if target != base else " " * 7)
+                 for name, value in row.items()]
+        print(f"  {str(target):40s} " + " ".join(cells))
+
+
 async def run(args: argparse.Namespace) -> None:
-    prompts = random_prompts(args.model, args.warmup + args.requests, args.prompt_tokens, args.seed)
+    prompts = random_prompts(args.tokenizer or args.model, args.warmup + args.requests, args.prompt_tokens, args.seed)
+    # Drawn apart from the prompts, so a run with one output length has the same prompts as before this option.
+    lengths = random.Random(args.seed + 1)
+    num_tokens = [lengths.randint(args.min_tokens, args.max_tokens) for _ in prompts]
     print(f"[bench-ttft] prompts from seed {args.seed}", file=sys.stderr, flush=True)
-    samples: dict[Target, list[float]] = {target: [] for target in args.targets}
+    samples: dict[Target, list[Stream]] = {target: [] for target in args.targets}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.request_timeout_s)) as session:
         for index, (text, ids) in enumerate(prompts):
             order = args.targets if index % 2 == 0 else args.targets[::-1]
             for target in order:
-                samples[target].append(await first_token_ms(session, target, args.model, text, ids, args.max_tokens))
+                samples[target].append(await stream_once(session, target, args.model, text, ids, num_tokens[index]))
             done = index + 1 - args.warmup
-            if done > 0 and done % 50 == 0:
+            if done > 0 and done % args.progress_every == 0:
                 print(f"[bench-ttft] {done}/{args.requests} prompts", file=sys.stderr, flush=True)
-    kept = {target: values[args.warmup:] for target, values in samples.items()}
+    kept = {target: streams[args.warmup:] for target, streams in samples.items()}
+    tokens = (f"{args.max_tokens}" if args.min_tokens == args.max_tokens else f"{args.min_tokens}–{args.max_tokens}")
     print(f"TTFT at one stream, {args.requests} prompts of up to {args.prompt_tokens} tokens "
-          f"(after {args.warmup} discarded), {args.max_tokens} tokens each")
-    for target, values in kept.items():
-        print(f"  {str(target):40s} {percentiles(values)}")
+          f"(after {args.warmup} discarded), {tokens} tokens each")
+    for target, streams in kept.items():
+        print(f"  {str(target):40s} {percentiles([stream.ttft_ms for stream in streams])}")
     base = args.targets[0]
     for target in args.targets[1:]:
-        differences = [b - a for a, b in zip(kept[base], kept[target], strict=True)]
+        differences = [mine.ttft_ms - theirs.ttft_ms for theirs, mine in zip(kept[base], kept[target], strict=True)]
         print(f"  added by {target} over {base}, per prompt: median {statistics.median(differences):+.2f} ms, "
               f"mean {statistics.mean(differences):+.2f} ms")
+    if args.min_tokens >= MIN_TOKENS_FOR_RATES:
+        print_streams(kept, base)
 
 
 def main() -> None:
@@ -109,10 +176,17 @@ def main() -> None:
     parser.add_argument("targets", nargs="+", type=Target.parse,
                         help="Server base URLs (the first is the baseline); URL#ids sends token ids.")
     parser.add_argument("--model", required=True, help="Model name the servers serve, and its tokenizer's folder.")
+    parser.add_argument("--tokenizer", default=None, help="The tokenizer's folder, when --model is not one.")
     parser.add_argument("--requests", type=int, default=200, help="Prompts measured (each goes to every target).")
     parser.add_argument("--warmup", type=int, default=5, help="Prompts sent first and not counted.")
     parser.add_argument("--prompt-tokens", type=int, default=1024, help="Longest prompt, in tokens.")
-    parser.add_argument("--max-tokens", type=int, default=4, help="Tokens each request streams.")
+    parser.add_argument("--max-tokens", type=int, default=4, help="Tokens each request streams (the most, with "
+                        "--min-tokens).")
+    parser.add_argument("--min-tokens", type=int, default=None,
+                        help="Fewest tokens a request streams: each prompt's count is drawn from --min-tokens to "
+                             f"--max-tokens (default: --max-tokens). At {MIN_TOKENS_FOR_RATES} or more the token rate "
+                             "and inter-token latency are printed too.")
+    parser.add_argument("--progress-every", type=int, default=50, help="Prompts between progress lines.")
     # Drawn per run: a server kept since an earlier run has its prompts in its prefix cache, a stack started since
     # has not, and a cached prompt's first token comes sooner.
     parser.add_argument("--seed", type=int, default=random.SystemRandom().randrange(1 << 30),
@@ -121,6 +195,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.requests < 2:
         parser.error("--requests must be at least 2 (percentiles)")
+    args.min_tokens = args.max_tokens if args.min_tokens is None else args.min_tokens
+    if not 1 <= args.min_tokens <= args.max_tokens:
+        parser.error("--min-tokens must be from 1 to --max-tokens")
     asyncio.run(run(args))
 
 
