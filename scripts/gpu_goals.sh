@@ -6,12 +6,17 @@
 #   bash scripts/gpu_goals.sh wait SECONDS OUT wait until the run ends or SECONDS pass; copy what it has to OUT
 #
 # Steps, in order of what the goals need most (each step's output: /tmp/goals/<step>.log):
-#   aiperf    scripts/bench_aiperf.py: the server and stack a at 64, 256, 16 and 1 streams, one warm-up run each
+#   aiperf    scripts/bench_aiperf.py: the server and stack a at each of GOALS_LEVELS streams (default 64 256 16 1),
+#             one warm-up run each
 #   ttft      scripts/bench_ttft.py: the first token at one stream, paired prompt by prompt
+#   streams   scripts/bench_ttft.py with outputs of 128–512 tokens: token rate and inter-token latency at one
+#             stream, paired prompt by prompt
 #   scale     scripts/bench_scale.py: the mock engine with 1, 2, 4 and 8 decode replicas (CPU only)
 #   fanin     scripts/bench_fanin.py: tokens/s into one receiving process (CPU only)
 #   serving   scripts/bench_vs_sglang.py: bench_serving's bursts at 64 streams, with the server's own control
-# A step that fails is logged and the next one runs. /tmp/goals/done marks the end.
+# GOALS_STEPS picks and orders them (default: all, in the order above). A step that fails is logged and the next one
+# runs. While the run lasts, top's busiest processes are logged every 2 s (top.log), so a slow round can be read
+# against what else ran. /tmp/goals/done marks the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=/tmp/goals
@@ -25,23 +30,38 @@ step() {  # step NAME COMMAND...: run one step under gpu_run.sh, its output to i
     echo "[gpu-goals $(date +%T)] $name: $status" >> "$dir/progress.log"
 }
 
+run_step() {  # run_step NAME ROUNDS
+    case "$1" in
+        aiperf) step aiperf python3 scripts/bench_aiperf.py --tokenizer .gpu/smol "sglang=$server" "conveyor=$stack" \
+                    --concurrency ${GOALS_LEVELS:-64 256 16 1} --rounds "$2" --workers-max 4 --out "$dir/aiperf" ;;
+        ttft) step ttft python3 scripts/bench_ttft.py --model .gpu/smol "$server" "$stack" ;;
+        streams) step streams python3 scripts/bench_ttft.py --model .gpu/smol --requests 60 --min-tokens 128 \
+                     --max-tokens 512 --progress-every 20 "$server" "$stack" ;;
+        scale) step scale python3 scripts/bench_scale.py --rounds 1 ;;
+        fanin) step fanin python3 scripts/bench_fanin.py --senders 8 --streams 1024 --tokens-per-frame 1 8 --rounds 2 ;;
+        serving) step serving python3 scripts/bench_vs_sglang.py --model .gpu/smol --sglang-url "$server" \
+                     --conveyor-url "$stack" --control --concurrency 64 --rounds 6 --min-prompts 16 \
+                     --max-running-requests 128 --nats-clients 0 --out "$dir/serving" ;;
+        *) echo "[gpu-goals $(date +%T)] $1: no such step" >> "$dir/progress.log" ;;
+    esac
+}
+
 run_all() {
     local rounds=$1
-    step aiperf python3 scripts/bench_aiperf.py --tokenizer .gpu/smol "sglang=$server" "conveyor=$stack" \
-        --concurrency 64 256 16 1 --rounds "$rounds" --workers-max 4 --out "$dir/aiperf"
-    step ttft python3 scripts/bench_ttft.py --model .gpu/smol "$server" "$stack"
-    step scale python3 scripts/bench_scale.py --rounds 1
-    step fanin python3 scripts/bench_fanin.py --senders 8 --streams 1024 --tokens-per-frame 1 8 --rounds 2
-    step serving python3 scripts/bench_vs_sglang.py --model .gpu/smol --sglang-url "$server" --conveyor-url "$stack" \
-        --control --concurrency 64 --rounds 6 --min-prompts 16 --max-running-requests 128 --nats-clients 0 \
-        --out "$dir/serving"
+    # Frames after the first show each process's CPU over the last 2 s (the first: since it started).
+    top -b -c -d 2 -w 200 | awk '/^top -/ { line = 0 } { line++; if (line == 1 || line == 3 || (line >= 7 && line <= 22)) print; fflush() }' \
+        > "$dir/top.log" 2>&1 &
+    local monitor=$!
+    for name in ${GOALS_STEPS:-aiperf ttft streams scale fanin serving}; do run_step "$name" "$rounds"; done
+    kill "$monitor" 2>/dev/null || true
     touch "$dir/done"
 }
 
 case "${1:-}" in
     start)
         rm -rf "$dir" && mkdir -p "$dir"
-        (setsid nohup bash "$0" run "${2:-3}" > "$dir/run.log" 2>&1 < /dev/null &)
+        (GOALS_STEPS="${GOALS_STEPS:-}" GOALS_LEVELS="${GOALS_LEVELS:-}" setsid nohup bash "$0" run "${2:-3}" \
+            > "$dir/run.log" 2>&1 < /dev/null &)
         echo "[gpu-goals] started; progress in $dir/progress.log"
         ;;
     run)
@@ -53,11 +73,16 @@ case "${1:-}" in
         mkdir -p "$out"
         cp "$dir"/*.log "$out"/ 2>/dev/null || true
         cp "$dir/aiperf/results.json" "$out/aiperf-results.json" 2>/dev/null || true
+        # SGLang's batch lines, where an engine logs at info (the server: `gpu_hold.sh server --log-level info`; a
+        # stack: CONVEYOR_SGLANG_EXTRA_SERVER_ARGS='{"log_level": "info"}'): each engine's steps, round by round.
+        grep -h 'Decode batch\|Prefill batch' /tmp/sglang-server.log > "$out/server-batches.log" 2>/dev/null || true
+        grep -h 'Decode batch\|Prefill batch' /tmp/a/bench-vs-sglang-conveyor/*.log > "$out/conveyor-batches.log" \
+            2>/dev/null || true
         cat "$dir/progress.log"
         if [ -f "$dir/done" ]; then echo "[gpu-goals] done"; else echo "[gpu-goals] still running"; fi
         ;;
     *)
-        sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
+        sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
         exit 2
         ;;
 esac
