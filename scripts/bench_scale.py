@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_vs_sglang as vs  # noqa: E402  — its NATS client processes and process handling
+from bus.server import free_port  # noqa: E402
 
 
 def cpu_seconds(pid: int) -> float:
@@ -43,8 +44,10 @@ def start_stack(args: argparse.Namespace, replicas: int, logs: Path) -> vs.Serve
     servers.nats_url = f"nats://127.0.0.1:{args.nats_port}"
     store = logs / "nats-store"
     store.mkdir(parents=True, exist_ok=True)
+    # A monitor port of its own: the default (8222) belongs to any stack already running on the machine, and
+    # nats-server exits when it cannot bind it (what stopped this benchmark on the GPU machine, 2026-11-25).
     servers.spawn("nats", [sys.executable, "-m", "workers.cli", "server", "--port", str(args.nats_port),
-                           "--store-dir", str(store)])
+                           "--monitor-port", str(free_port()), "--store-dir", str(store)])
     env = {"CONVEYOR_NATS_URLS": servers.nats_url, "CONVEYOR_NAMESPACE": servers.namespace,
            "CONVEYOR_MOCK_INTER_TOKEN_S": str(args.inter_token_ms / 1000)}
     worker = [sys.executable, "-m", "workers.cli", "worker", "--engine", "mock", "--model", "mock", "--log-level",
