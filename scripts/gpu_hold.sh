@@ -10,6 +10,9 @@
 # VAR=V settings go to the stack's environment, e.g. CONVEYOR_SGLANG_PREFILL_BUDGET_TOKENS=2048; DECODE_ARGS in
 # this script's own environment goes to the decode worker's command line, e.g. DECODE_ARGS='--migration-limit 0';
 # GATEWAY_WORKERS=N starts N gateway processes on the stack's port (`conveyor gateway --workers N`).
+# Every SGLang here sleeps while idle (--sleep-on-idle; a stack: sleep_on_idle in CONVEYOR_SGLANG_EXTRA_SERVER_ARGS,
+# which a stack's own VAR=V of that name replaces): an idle SGLang scheduler otherwise spins a core at 100%, so the
+# system not being measured competed with the one that was (docs/performance.md, eighteenth stop).
 # Start the stacks one after the other: SGLang sizes its pool from the memory it finds free. Logs: /tmp/sglang-server.log,
 # /tmp/conveyor-<a|b>.log and /tmp/<a|b>/bench-vs-sglang-conveyor/. The server carries .gpu/sglang-site.tar.xz,
 # .gpu/sglang-server.tar.xz and .gpu/smol; a stack .gpu/conveyor-deps.tar.xz, .gpu/bin and .gpu/smol (one call each:
@@ -34,7 +37,8 @@ case "${1:-}" in
         bash scripts/gpu_run.sh true  # unpack first, so the held process does not race the next call's unpacking
         (setsid nohup bash scripts/gpu_run.sh python3 -m sglang.launch_server --model-path .gpu/smol \
             --load-format dummy --attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.35 \
-            --page-size 16 --host 127.0.0.1 --port 30000 --max-running-requests "$MAX_RUNNING" --log-level warning "$@" \
+            --page-size 16 --host 127.0.0.1 --port 30000 --max-running-requests "$MAX_RUNNING" --log-level warning \
+            --sleep-on-idle "$@" \
             > /tmp/sglang-server.log 2>&1 < /dev/null &)
         wait_for "sglang server" 300 curl -sf http://127.0.0.1:30000/v1/models || { tail -20 /tmp/sglang-server.log; exit 1; }
         ;;
@@ -49,14 +53,14 @@ case "${1:-}" in
         if [ -n "${DECODE_ARGS:-}" ]; then options+=(--decode-args "$DECODE_ARGS"); fi
         if [ -n "${GATEWAY_WORKERS:-}" ]; then options+=(--gateway-workers "$GATEWAY_WORKERS"); fi
         mkdir -p "/tmp/$name"
-        (env "$@" setsid nohup bash scripts/gpu_run.sh python3 scripts/bench_vs_sglang.py conveyor --model .gpu/smol \
+        (env CONVEYOR_SGLANG_EXTRA_SERVER_ARGS='{"sleep_on_idle": true}' "$@" setsid nohup bash scripts/gpu_run.sh python3 scripts/bench_vs_sglang.py conveyor --model .gpu/smol \
             --max-running-requests "$MAX_RUNNING" "${options[@]}" > "/tmp/conveyor-$name.log" 2>&1 < /dev/null &)
         wait_for "conveyor stack $name" 300 grep -q "ready at" "/tmp/conveyor-$name.log" \
             || { tail -20 "/tmp/conveyor-$name.log"; exit 1; }
         grep "ready at" "/tmp/conveyor-$name.log"
         ;;
     *)
-        sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+        sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
         exit 2
         ;;
 esac
