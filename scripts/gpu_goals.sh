@@ -60,8 +60,7 @@ run_all() {
 case "${1:-}" in
     start)
         rm -rf "$dir" && mkdir -p "$dir"
-        (GOALS_STEPS="${GOALS_STEPS:-}" GOALS_LEVELS="${GOALS_LEVELS:-}" setsid nohup bash "$0" run "${2:-3}" \
-            > "$dir/run.log" 2>&1 < /dev/null &)
+        (setsid nohup bash "$0" run "${2:-3}" > "$dir/run.log" 2>&1 < /dev/null &)  # GOALS_* go along in the environment
         echo "[gpu-goals] started; progress in $dir/progress.log"
         ;;
     run)

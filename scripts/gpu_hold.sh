@@ -53,8 +53,9 @@ case "${1:-}" in
         if [ -n "${DECODE_ARGS:-}" ]; then options+=(--decode-args "$DECODE_ARGS"); fi
         if [ -n "${GATEWAY_WORKERS:-}" ]; then options+=(--gateway-workers "$GATEWAY_WORKERS"); fi
         mkdir -p "/tmp/$name"
-        (env CONVEYOR_SGLANG_EXTRA_SERVER_ARGS='{"sleep_on_idle": true}' "$@" setsid nohup bash scripts/gpu_run.sh python3 scripts/bench_vs_sglang.py conveyor --model .gpu/smol \
-            --max-running-requests "$MAX_RUNNING" "${options[@]}" > "/tmp/conveyor-$name.log" 2>&1 < /dev/null &)
+        (env CONVEYOR_SGLANG_EXTRA_SERVER_ARGS='{"sleep_on_idle": true}' "$@" setsid nohup bash scripts/gpu_run.sh \
+            python3 scripts/bench_vs_sglang.py conveyor --model .gpu/smol --max-running-requests "$MAX_RUNNING" \
+            "${options[@]}" > "/tmp/conveyor-$name.log" 2>&1 < /dev/null &)
         wait_for "conveyor stack $name" 300 grep -q "ready at" "/tmp/conveyor-$name.log" \
             || { tail -20 "/tmp/conveyor-$name.log"; exit 1; }
         grep "ready at" "/tmp/conveyor-$name.log"
