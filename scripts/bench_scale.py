@@ -2,7 +2,9 @@
 replica given the same number of streams, all load published straight to NATS by client processes.
 
 For each replica count it prints output tokens/s in all and per replica, the scale-out efficiency (tok/s at N ÷
-N × tok/s at 1), TTFT p50 / p99 and the nats-server's CPU (one core = 100%). Then, at the largest count, the same
+N × tok/s at 1), TTFT p50 / p99, the CPU of the nats-server, of each decode worker and processor (one core = 100%)
+and the cores busy on the whole machine (the load's client processes included): a replica count that fills the
+machine shows there, apart from the bus. Then, at the largest count, the same
 load read by a single client process, so the rate one process can take in is measured apart from the bus.
 
     .venv/bin/python scripts/bench_scale.py                       # 1 2 4 8 replicas, 64 streams each
@@ -86,12 +88,30 @@ async def wait_ready(servers: vs.Servers, num_workers: int, timeout_s: float) ->
     raise TimeoutError(f"{num_workers} workers not ready within {timeout_s:.0f} s")
 
 
+def machine_busy_s() -> float:
+    """CPU seconds every core of the machine has spent busy (Linux /proc/stat: all but idle and iowait)."""
+    fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def role_cpu_s(servers: vs.Servers) -> dict[str, float]:
+    """CPU seconds so far of the nats-server, every decode worker and every processor, by role."""
+    spent = {"nats": 0.0, "decode": 0.0, "processor": 0.0}
+    for name, process in servers.processes.items():
+        spent[name.split("-")[0]] += cpu_seconds(process.pid)
+    return spent
+
+
 def measure(args: argparse.Namespace, servers: vs.Servers, concurrency: int, clients: int) -> dict[str, Any]:
+    """One load, with the CPU each role used meanwhile (one core = 100%): where the machine's cores went, to tell
+    a bus that stops scaling from a machine that is full."""
     args.nats_clients = clients
-    nats_pid = servers.pid("nats")
-    cpu_before, wall_before = cpu_seconds(nats_pid), time.monotonic()
+    roles_before, busy_before, wall_before = role_cpu_s(servers), machine_busy_s(), time.monotonic()
     row = vs.bench_nats(args, servers.nats_url, servers.namespace, concurrency, seed=concurrency)
-    row["nats_cpu_percent"] = 100 * (cpu_seconds(nats_pid) - cpu_before) / (time.monotonic() - wall_before)
+    wall_s = time.monotonic() - wall_before
+    for role, spent_s in role_cpu_s(servers).items():
+        row[f"{role}_cpu_percent"] = 100 * (spent_s - roles_before[role]) / wall_s
+    row["machine_cpu_percent"] = 100 * (machine_busy_s() - busy_before) / wall_s
     return row
 
 
@@ -119,12 +139,16 @@ def run(args: argparse.Namespace) -> None:
           f"{int(args.output_len * args.range_ratio)}–{args.output_len} tokens, {os.cpu_count()} cores, "
           f"medians of {args.rounds} rounds")
     print(f"{'replicas':>8} {'tok/s':>9} {'per replica':>12} {'efficiency':>11} {'TTFT p50':>9} {'TTFT p99':>9} "
-          f"{'nats CPU':>9}")
+          f"{'nats CPU':>9} {'decode CPU':>11} {'proc CPU':>9} {'machine':>8}")
     for replicas in args.replicas:
         row = vs.median_row(rows[replicas])
         tokens = row["output_throughput"]
+        processors = max(1, replicas // 2)
         print(f"{replicas:>8} {tokens:>9.0f} {tokens / replicas:>12.0f} {tokens / (replicas * base):>10.2f}× "
-              f"{row['median_ttft_ms']:>7.1f}ms {row['p99_ttft_ms']:>7.1f}ms {row['nats_cpu_percent']:>8.0f}%")
+              f"{row['median_ttft_ms']:>7.1f}ms {row['p99_ttft_ms']:>7.1f}ms {row['nats_cpu_percent']:>8.0f}% "
+              f"{row['decode_cpu_percent'] / replicas:>10.0f}% {row['processor_cpu_percent'] / processors:>8.0f}% "
+              f"{row['machine_cpu_percent'] / 100:>7.1f}c")
+    print("decode / proc CPU: each replica's mean (one core = 100%); machine: cores busy in all, clients included")
     one = vs.median_row(single)
     many = vs.median_row(rows[max(args.replicas)])
     print(f"one client process reading all {args.streams_per_replica * max(args.replicas)} streams: "
