@@ -49,8 +49,9 @@ run_step() {  # run_step NAME ROUNDS
 run_all() {
     local rounds=$1
     # Frames after the first show each process's CPU over the last 2 s (the first: since it started).
-    top -b -c -d 2 -w 200 | awk '/^top -/ { line = 0 } { line++; if (line == 1 || line == 3 || (line >= 7 && line <= 22)) print; fflush() }' \
-        > "$dir/top.log" 2>&1 &
+    # Of each frame: the time, the CPU summary and the 16 busiest processes.
+    local keep='/^top -/ { line = 0 } { line++; if (line == 1 || line == 3 || (line >= 7 && line <= 22)) print; fflush() }'
+    top -b -c -d 2 -w 200 | awk "$keep" > "$dir/top.log" 2>&1 &
     local monitor=$!
     for name in ${GOALS_STEPS:-aiperf ttft streams scale fanin serving}; do run_step "$name" "$rounds"; done
     kill "$monitor" 2>/dev/null || true
@@ -60,7 +61,8 @@ run_all() {
 case "${1:-}" in
     start)
         rm -rf "$dir" && mkdir -p "$dir"
-        (setsid nohup bash "$0" run "${2:-3}" > "$dir/run.log" 2>&1 < /dev/null &)  # GOALS_* go along in the environment
+        # GOALS_* go along in the environment.
+        (setsid nohup bash "$0" run "${2:-3}" > "$dir/run.log" 2>&1 < /dev/null &)
         echo "[gpu-goals] started; progress in $dir/progress.log"
         ;;
     run)
