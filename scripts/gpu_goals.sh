@@ -50,7 +50,7 @@ run_all() {
     local rounds=$1
     # Frames after the first show each process's CPU over the last 2 s (the first: since it started).
     # Of each frame: the time, the CPU summary and the 16 busiest processes.
-    local keep='/^top -/ { line = 0 } { line++; if (line == 1 || line == 3 || (line >= 7 && line <= 22)) print; fflush() }'
+    local keep='/^top -/ { n = 0 } { n++; if (n == 1 || n == 3 || (n >= 7 && n <= 22)) print; fflush() }'
     top -b -c -d 2 -w 200 | awk "$keep" > "$dir/top.log" 2>&1 &
     local monitor=$!
     for name in ${GOALS_STEPS:-aiperf ttft streams scale fanin serving}; do run_step "$name" "$rounds"; done
