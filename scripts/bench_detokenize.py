@@ -15,12 +15,11 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from workers.engines.detokenizer import IncrementalDetokenizer  # noqa: E402
+from workers.engines.detokenizer import Decoder, IncrementalDetokenizer  # noqa: E402
 
 
 class _Direct:
@@ -35,7 +34,7 @@ class _Direct:
         return str(self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
 
-def us_per_token(tokenizer: Any, token_ids: list[int], stop: list[str], runs: int) -> tuple[float, str]:
+def us_per_token(tokenizer: Decoder, token_ids: list[int], stop: list[str], runs: int) -> tuple[float, str]:
     """The least CPU microseconds per token over `runs`, and the text it made (to check both agree)."""
     best_s, text = float("inf"), ""
     for _ in range(runs):
@@ -44,12 +43,6 @@ def us_per_token(tokenizer: Any, token_ids: list[int], stop: list[str], runs: in
         text = "".join(detokenizer.add([token_id]) for token_id in token_ids) + detokenizer.flush()
         best_s = min(best_s, (time.process_time() - started_s) / len(token_ids))
     return best_s * 1e6, text
-
-
-def default_model() -> Path:
-    from workers.engines.torch_engine.loader import bundled_smollm2
-
-    return bundled_smollm2()
 
 
 def main() -> None:
@@ -64,7 +57,9 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    model = args.model or default_model()
+    from workers.engines.torch_engine.loader import bundled_smollm2
+
+    model = args.model or bundled_smollm2()
     fast = AutoTokenizer.from_pretrained(str(model))
     token_ids = fast(args.text.read_text()[: args.tokens * 20])["input_ids"][: args.tokens]
     print(f"{len(token_ids)} tokens of {args.text.name}, one per call, model {model.name}, fastest of {args.runs} runs")

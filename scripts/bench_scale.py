@@ -4,8 +4,8 @@ replica given the same number of streams, all load published straight to NATS by
 For each replica count it prints output tokens/s in all and per replica, the scale-out efficiency (tok/s at N ÷
 N × tok/s at 1), TTFT p50 / p99, the CPU of the nats-server, of each decode worker and processor (one core = 100%)
 and the cores busy on the whole machine (the load's client processes included): a replica count that fills the
-machine shows there, apart from the bus. Then, at the largest count, the same
-load read by a single client process, so the rate one process can take in is measured apart from the bus.
+machine shows there, apart from the bus. Then, at the largest count, the same load read by a single client process,
+so the rate one process can take in is measured apart from the bus.
 
     .venv/bin/python scripts/bench_scale.py                       # 1 2 4 8 replicas, 64 streams each
     .venv/bin/python scripts/bench_scale.py --replicas 1 2 --streams-per-replica 16 --output-len 64
@@ -94,24 +94,24 @@ def machine_busy_s() -> float:
     return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
-def role_cpu_s(servers: vs.Servers) -> dict[str, float]:
-    """CPU seconds so far of the nats-server, every decode worker and every processor, by role."""
-    spent = {"nats": 0.0, "decode": 0.0, "processor": 0.0}
-    for name, process in servers.processes.items():
-        spent[name.split("-")[0]] += cpu_seconds(process.pid)
-    return spent
+def process_cpu_s(servers: vs.Servers) -> dict[str, float]:
+    """CPU seconds so far of each process the stack started (`nats`, `decode-0`, `processor-0`, ...)."""
+    return {name: cpu_seconds(process.pid) for name, process in servers.processes.items()}
 
 
 def measure(args: argparse.Namespace, servers: vs.Servers, concurrency: int, clients: int) -> dict[str, Any]:
-    """One load, with the CPU each role used meanwhile (one core = 100%): where the machine's cores went, to tell
-    a bus that stops scaling from a machine that is full."""
+    """One load, with the CPU each role's processes used meanwhile, as the mean per process (one core = 100%), and
+    the machine's busy cores: where the cores went, to tell a bus that stops scaling from a machine that is full."""
     args.nats_clients = clients
-    roles_before, busy_before, wall_before = role_cpu_s(servers), machine_busy_s(), time.monotonic()
+    before_s, busy_before_s, wall_before = process_cpu_s(servers), machine_busy_s(), time.monotonic()
     row = vs.bench_nats(args, servers.nats_url, servers.namespace, concurrency, seed=concurrency)
     wall_s = time.monotonic() - wall_before
-    for role, spent_s in role_cpu_s(servers).items():
-        row[f"{role}_cpu_percent"] = 100 * (spent_s - roles_before[role]) / wall_s
-    row["machine_cpu_percent"] = 100 * (machine_busy_s() - busy_before) / wall_s
+    by_role: dict[str, list[float]] = {}
+    for name, spent_s in process_cpu_s(servers).items():
+        by_role.setdefault(name.split("-")[0], []).append(100 * (spent_s - before_s[name]) / wall_s)
+    for role, percents in by_role.items():
+        row[f"{role}_cpu_percent"] = sum(percents) / len(percents)
+    row["machine_cpu_percent"] = 100 * (machine_busy_s() - busy_before_s) / wall_s
     return row
 
 
@@ -143,10 +143,9 @@ def run(args: argparse.Namespace) -> None:
     for replicas in args.replicas:
         row = vs.median_row(rows[replicas])
         tokens = row["output_throughput"]
-        processors = max(1, replicas // 2)
         print(f"{replicas:>8} {tokens:>9.0f} {tokens / replicas:>12.0f} {tokens / (replicas * base):>10.2f}× "
               f"{row['median_ttft_ms']:>7.1f}ms {row['p99_ttft_ms']:>7.1f}ms {row['nats_cpu_percent']:>8.0f}% "
-              f"{row['decode_cpu_percent'] / replicas:>10.0f}% {row['processor_cpu_percent'] / processors:>8.0f}% "
+              f"{row['decode_cpu_percent']:>10.0f}% {row['processor_cpu_percent']:>8.0f}% "
               f"{row['machine_cpu_percent'] / 100:>7.1f}c")
     print("decode / proc CPU: each replica's mean (one core = 100%); machine: cores busy in all, clients included")
     one = vs.median_row(single)
