@@ -14,9 +14,10 @@
 #   scale     scripts/bench_scale.py: the mock engine with 1, 2, 4 and 8 decode replicas (CPU only)
 #   fanin     scripts/bench_fanin.py: tokens/s into one receiving process (CPU only)
 #   serving   scripts/bench_vs_sglang.py: bench_serving's bursts at 64 streams, with the server's own control
-# GOALS_STEPS picks and orders them (default: all, in the order above). A step that fails is logged and the next one
-# runs. While the run lasts, top's busiest processes are logged every 2 s (top.log), so a slow round can be read
-# against what else ran. /tmp/goals/done marks the end.
+# GOALS_STEPS picks and orders them (default: all, in the order above). GOALS_ALSO="NAME=URL ..." adds targets to
+# the aiperf, ttft and streams steps, measured in the same rounds (stack b: GOALS_ALSO=b=http://127.0.0.1:8001).
+# A step that fails is logged and the next one runs. While the run lasts, top's busiest processes are logged every
+# 2 s (top.log), so a slow round can be read against what else ran. /tmp/goals/done marks the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=/tmp/goals
@@ -31,12 +32,15 @@ step() {  # step NAME COMMAND...: run one step under gpu_run.sh, its output to i
 }
 
 run_step() {  # run_step NAME ROUNDS
+    local also_named=(${GOALS_ALSO:-}) also_urls=()
+    for target in "${also_named[@]}"; do also_urls+=("${target#*=}"); done
     case "$1" in
         aiperf) step aiperf python3 scripts/bench_aiperf.py --tokenizer .gpu/smol "sglang=$server" "conveyor=$stack" \
+                    "${also_named[@]}" \
                     --concurrency ${GOALS_LEVELS:-64 256 16 1} --rounds "$2" --workers-max 4 --out "$dir/aiperf" ;;
-        ttft) step ttft python3 scripts/bench_ttft.py --model .gpu/smol "$server" "$stack" ;;
+        ttft) step ttft python3 scripts/bench_ttft.py --model .gpu/smol "$server" "$stack" "${also_urls[@]}" ;;
         streams) step streams python3 scripts/bench_ttft.py --model .gpu/smol --requests 60 --min-tokens 128 \
-                     --max-tokens 512 --progress-every 20 "$server" "$stack" ;;
+                     --max-tokens 512 --progress-every 20 "$server" "$stack" "${also_urls[@]}" ;;
         scale) step scale python3 scripts/bench_scale.py --rounds 1 ;;
         fanin) step fanin python3 scripts/bench_fanin.py --senders 8 --streams 1024 --tokens-per-frame 1 8 --rounds 2 ;;
         serving) step serving python3 scripts/bench_vs_sglang.py --model .gpu/smol --sglang-url "$server" \

@@ -15,6 +15,7 @@ from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from schemas.kv_hashing import chain_hashes
 from schemas.replies import FinishReason
 from schemas.sampling import GuidedDecoding, SamplingOptions, StopConditions
+from schemas.tasks import SessionRef
 from workers.engines.protocol import DisaggregationRole, Engine, ExpertRecording, GenerateRequest, UnsupportedOption
 from workers.engines.sglang_engine import (
     KvEventRelay,
@@ -23,10 +24,14 @@ from workers.engines.sglang_engine import (
     cached_tokens_of,
     decode_event_frames,
     finish_of,
+    OwnText,
     logprobs_of,
+    needs_sglang_tokenizer,
+    own_decoder,
     sampling_params,
     server_args,
 )
+from workers.engines.torch_engine.loader import bundled_smollm2
 
 
 def test_adapter_implements_the_engine_protocol_without_importing_sglang() -> None:
@@ -268,3 +273,66 @@ def test_the_relay_publishes_sglangs_blocks_under_the_keys_a_router_computes() -
     cleared = decode_event_frames(sglang_frame(3, [["AllBlocksCleared"]]))
     assert cleared is not None and isinstance(relay.translated(cleared[1]).events[0], AllBlocksCleared)
     assert len(relay.keys) == 0
+
+
+def test_an_engine_without_sglangs_tokenizer_leaves_stop_strings_to_the_worker() -> None:
+    config = SGLangEngineConfig(model_path="/m", skip_tokenizer_init=True)
+    assert server_args(config, 1, 2)["skip_tokenizer_init"] is True
+    assert "skip_tokenizer_init" not in server_args(SGLangEngineConfig(model_path="/m"), 1, 2)
+    request = GenerateRequest("r", [1, 2], stop=StopConditions(stop=["END"], stop_token_ids=[7]))
+    params = sampling_params(request, stop_strings=False)
+    assert "stop" not in params and params["stop_token_ids"] == [7]
+    assert sampling_params(request)["stop"] == ["END"]
+
+
+def test_what_needs_sglangs_tokenizer_is_named_and_the_rest_passes() -> None:
+    def needed(**fields: object) -> str | None:
+        return needs_sglang_tokenizer(GenerateRequest("r", [1], **fields))  # type: ignore[arg-type]
+
+    assert needed() is None
+    assert needed(stop=StopConditions(stop=["x"], stop_token_ids=[3], ignore_eos=True)) is None
+    assert needed(guided=GuidedDecoding(regex="[ab]")) == "guided decoding"
+    assert needed(stop=StopConditions(min_tokens=4)) == "min_tokens"
+    assert needed(image_rows=[[0.0]]) == "images"
+    assert needed(session=SessionRef(id="s"), stop=StopConditions(stop=["x"])) == "stop strings in a session"
+    assert needed(session=SessionRef(id="s")) is None
+
+
+def own_text_of(stop: list[str]) -> tuple[OwnText, object]:
+    decoder = own_decoder(str(bundled_smollm2()))
+    return OwnText(decoder, GenerateRequest("r", [1], stop=StopConditions(stop=stop))), decoder
+
+
+def test_own_text_ends_the_generation_at_a_stop_string_split_across_tokens() -> None:
+    own_text, decoder = own_text_of(["<END>"])
+    tokens = decoder.encode("The answer is 42.<END> and more").ids  # type: ignore[attr-defined]
+    shown, finish = "", None
+    for token in tokens:
+        text, reason, matched = own_text.step([token], None, None)
+        shown += text
+        if reason is not None:
+            finish = (reason, matched)
+            break
+    assert shown == "The answer is 42."
+    assert finish == (FinishReason.STOP, "<END>")
+
+
+def test_own_text_keeps_sglangs_finish_and_releases_what_it_held_back() -> None:
+    own_text, decoder = own_text_of(["<END>"])
+    tokens = decoder.encode("Hello <EN").ids  # type: ignore[attr-defined]
+    pieces = [own_text.step([token], None, None) for token in tokens[:-1]]
+    last = own_text.step(tokens[-1:], FinishReason.LENGTH, None)
+    assert "".join(text for text, _, _ in pieces) + last[0] == "Hello <EN"
+    assert last[1:] == (FinishReason.LENGTH, None)
+    assert all(reason is None for _, reason, _ in pieces)
+
+
+def test_the_worker_decodes_as_the_models_own_tokenizer_does() -> None:
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(str(bundled_smollm2()))
+    decoder = own_decoder(str(bundled_smollm2()))
+    token_ids = reference.encode("Grüße, 世界! <|im_end|> done", add_special_tokens=False)
+    for skip in (True, False):
+        ours = decoder.decode(token_ids, skip_special_tokens=skip)
+        assert ours == reference.decode(token_ids, skip_special_tokens=skip)

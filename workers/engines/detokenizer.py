@@ -3,7 +3,10 @@ matched across token boundaries and never shown to the client."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from workers.engines.protocol import GenerateRequest
 
 _REPLACEMENT = "\ufffd"
 
@@ -41,6 +44,15 @@ class IncrementalDetokenizer:
         detokenizer.add(token_ids)
         detokenizer._emitted = len(shown_text)
         return detokenizer
+
+    @classmethod
+    def of_request(cls, tokenizer: Decoder, request: GenerateRequest) -> IncrementalDetokenizer:
+        """The detokenizer of one request: its stop strings and special-token setting, going on from what another
+        engine showed when the request migrated."""
+        stop, skip_special = request.stop.stop, request.output.skip_special_tokens
+        if request.resumed is None:
+            return cls(tokenizer, stop, skip_special)
+        return cls.resumed(tokenizer, stop, skip_special, request.resumed.token_ids, request.resumed.text)
 
     def add(self, token_ids: list[int]) -> str:
         """The new visible text after these tokens; empty while held back."""

@@ -46,6 +46,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from schemas.kv_hashing import block_hash, iter_chain_hashes
+from workers.engines.detokenizer import Decoder, IncrementalDetokenizer
 from workers.engines.network import advertised_host
 from workers.engines.pacing import Admission, PrefillBudget, Withdrawn
 from schemas.registry import BootstrapEndpoint
@@ -136,6 +137,12 @@ class SGLangEngineConfig(BaseSettings):
     # Sessions: the longest conversation one holds (SGLang counts characters) and how long an idle one lives.
     session_capacity_chars: int = Field(default=65536, ge=1)
     session_idle_s: float = Field(default=600.0, gt=0)
+    # SGLang without its tokenizer (its `skip_tokenizer_init`): the scheduler's outputs come straight to this process
+    # instead of crossing SGLang's detokenizer process first, and the worker makes the text itself
+    # (detokenizer.py, stop strings included; a matched stop string aborts SGLang's request). What needs SGLang's
+    # tokenizer is refused with an `unsupported` error: guided decoding, min_tokens, images, and stop strings in a
+    # session's turn. Off by default until the H100 shows what it gains (docs/performance.md).
+    skip_tokenizer_init: bool = False
     # Any other ServerArgs field, passed through unchanged (JSON in CONVEYOR_SGLANG_EXTRA_SERVER_ARGS).
     extra_server_args: dict[str, Any] = Field(default_factory=dict)
 
@@ -170,6 +177,8 @@ def server_args(config: SGLangEngineConfig, kv_events_port: int, bootstrap_port:
         "enable_memory_saver": config.enable_memory_saver,
         "log_level": "warning",
     }
+    if config.skip_tokenizer_init:
+        args["skip_tokenizer_init"] = True
     if config.kv_events:
         # SGLang's publisher binds only to wildcard endpoints and *connects* to any other; our relay
         # connects, so SGLang must bind: "*" (found on the H100: with 127.0.0.1 no event arrived).
@@ -220,8 +229,9 @@ def cached_tokens_of(meta: dict[str, Any], prompt_tokens: int) -> int:
     return min(max(int(meta.get("cached_tokens", 0)), 0), prompt_tokens)
 
 
-def sampling_params(request: GenerateRequest) -> dict[str, Any]:
-    """SGLang's `sampling_params` for a request; unset options keep SGLang's defaults."""
+def sampling_params(request: GenerateRequest, stop_strings: bool = True) -> dict[str, Any]:
+    """SGLang's `sampling_params` for a request; unset options keep SGLang's defaults. Without `stop_strings` the
+    request's stop strings are left out (an engine without its tokenizer cannot match them: the worker does)."""
     sampling, stop = request.sampling, request.stop
     params: dict[str, Any] = {
         "temperature": sampling.temperature,
@@ -235,7 +245,7 @@ def sampling_params(request: GenerateRequest) -> dict[str, Any]:
         "n": sampling.n if sampling.n != 1 else None,
         "max_new_tokens": stop.max_tokens,
         "min_new_tokens": stop.min_tokens or None,
-        "stop": stop.stop or None,
+        "stop": (stop.stop or None) if stop_strings else None,
         "stop_token_ids": stop.stop_token_ids or None,
         "ignore_eos": stop.ignore_eos or None,
         "skip_special_tokens": request.output.skip_special_tokens,
@@ -249,6 +259,50 @@ def sampling_params(request: GenerateRequest) -> dict[str, Any]:
         else:
             params["regex"] = guided.regex if guided.regex is not None else choice_regex(guided.choice or [])
     return {key: value for key, value in params.items() if value is not None}
+
+
+def needs_sglang_tokenizer(request: GenerateRequest) -> str | None:
+    """What in this request an engine started without SGLang's tokenizer cannot do; None: nothing."""
+    if request.guided is not None:
+        return "guided decoding"  # SGLang compiles grammars against its tokenizer
+    if request.stop.min_tokens:
+        return "min_tokens"  # SGLang bans the tokenizer's EOS until then
+    if request.image_rows is not None:
+        return "images"  # SGLang's multimodal processor is part of its tokenizer side
+    if request.session is not None and request.stop.stop:
+        return "stop strings in a session"  # ending the turn here aborts it, and the session could not go on from it
+    return None
+
+
+class OwnText:
+    """The text of one generation on an engine started without SGLang's tokenizer: the tokens SGLang streams, made
+    into text here, with the request's stop strings matched across tokens. A match ends the generation."""
+
+    def __init__(self, decoder: Decoder, request: GenerateRequest) -> None:
+        self._detokenizer = IncrementalDetokenizer.of_request(decoder, request)
+
+    def step(self, token_ids: list[int], reason: FinishReason | None,
+             matched: str | int | None) -> tuple[str, FinishReason | None, str | int | None]:
+        """The text of these tokens and the finish (reason, what matched): SGLang's own, or a stop string's here."""
+        text = self._detokenizer.add(token_ids)
+        stop = self._detokenizer.matched_stop
+        if stop is not None:
+            return text, FinishReason.STOP, stop
+        if reason is not None:
+            text += self._detokenizer.flush()  # what was held back as the start of a stop string that never came
+        return text, reason, matched
+
+
+def own_decoder(tokenizer_path: str) -> Decoder:
+    """The model's tokenizer, to make text SGLang does not. Its Rust tokenizer is called directly where transformers
+    adds nothing to decoding: 2.3 µs per token against 5.7 (scripts/bench_detokenize.py)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return backend  # type: ignore[no-any-return]
+    return tokenizer  # type: ignore[no-any-return]
 
 
 # SGLang's marker for a transfer that goes nowhere (`sglang.srt.disaggregation.utils`), which Dynamo
@@ -514,6 +568,8 @@ class SGLangEngine:
         self.config = config
         self._engine: Any = None
         self._relay: KvEventRelay | None = None
+        # The worker's own tokenizer, when SGLang runs without one (skip_tokenizer_init).
+        self._decoder: Decoder | None = None
         self._bootstrap: BootstrapEndpoint | None = None
         # Until start() reads the model, the context length is what was configured (0: unknown).
         self._info = EngineInfo(name="sglang", model=config.model_path, context_length=config.context_length or 0,
@@ -539,6 +595,9 @@ class SGLangEngine:
         args = server_args(self.config, kv_port, bootstrap_port)
         log.info("sglang.starting", model=self.config.model_path, role=self.config.role.value)
         self._engine = sglang.Engine(**args)
+        if self.config.skip_tokenizer_init:
+            tokenizer_path = self.config.extra_server_args.get("tokenizer_path") or self.config.model_path
+            self._decoder = await asyncio.to_thread(own_decoder, str(tokenizer_path))
         manager = self._engine.tokenizer_manager
         self._info = EngineInfo(
             name="sglang",
@@ -576,9 +635,15 @@ class SGLangEngine:
             self._engine = None
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        own_text = None
+        if self._decoder is not None:
+            if (needed := needs_sglang_tokenizer(request)) is not None:
+                raise UnsupportedOption(f"{needed}: needs SGLang's tokenizer, and this engine runs without it "
+                                        "(CONVEYOR_SGLANG_SKIP_TOKENIZER_INIT)")
+            own_text = OwnText(self._decoder, request)
         kwargs: dict[str, Any] = {
             "input_ids": request.token_ids,
-            "sampling_params": sampling_params(request),
+            "sampling_params": sampling_params(request, stop_strings=own_text is None),
             "stream": True,
             "rid": request.request_id,
             "return_logprob": request.output.logprobs,
@@ -603,7 +668,8 @@ class SGLangEngine:
                 await self._end_turn(request, completed=False)  # a closing turn still closes its session
             yield GenerateOutput([], finish_reason=FinishReason.CANCELLED, prompt_tokens=len(request.token_ids))
             return
-        finished = False
+        finished = False  # the final output went out
+        engine_done = False  # SGLang ended the request itself (not a stop string matched here)
         num_output_tokens = 0
         try:
             stream = await self._engine.async_generate(**kwargs)
@@ -613,6 +679,10 @@ class SGLangEngine:
                 token_ids = list(item.get("output_ids") or [])
                 if not token_ids and reason is None:
                     continue  # an idle tick
+                engine_done = reason is not None
+                text = item.get("text") or ""
+                if own_text is not None:
+                    text, reason, matched = own_text.step(token_ids, reason, matched)
                 num_output_tokens += len(token_ids)
                 if admission is not None and (reason is not None or num_output_tokens >= RELEASE_AFTER_TOKENS):
                     admission.release()  # a decode step ran after its prefill (or it ended): the next share may go in
@@ -623,7 +693,7 @@ class SGLangEngine:
                 prompt_tokens = int(meta.get("prompt_tokens", len(request.token_ids)))
                 yield GenerateOutput(
                     token_ids=token_ids,
-                    text=item.get("text") or "",
+                    text=text,
                     finish_reason=reason,
                     prompt_tokens=prompt_tokens,
                     completion_tokens=int(meta.get("completion_tokens", 0)),
@@ -637,10 +707,10 @@ class SGLangEngine:
         finally:
             if admission is not None:
                 admission.release()
-            if not finished:
+            if not engine_done:
                 await self.abort(request.request_id)
-                if request.session is not None:
-                    await self._end_turn(request, completed=False)
+            if not finished and request.session is not None:
+                await self._end_turn(request, completed=False)
 
     async def _admit(self, request: GenerateRequest) -> Admission | None:
         """This request's share of the prefill budget (None: not paced). What SGLang's prefix cache holds, as its
@@ -659,7 +729,8 @@ class SGLangEngine:
             self._engine.tokenizer_manager.abort_request(rid=request_id)
 
     def _token_text(self, token_id: int) -> str:
-        return str(self._engine.tokenizer_manager.tokenizer.decode([token_id], skip_special_tokens=True))
+        tokenizer = self._decoder or self._engine.tokenizer_manager.tokenizer
+        return str(tokenizer.decode([token_id], skip_special_tokens=True))
 
     async def encode(self, inputs: list[list[int]]) -> list[list[float]]:
         """Vectors of token-id lists (an `is_embedding` engine). `Engine.async_encode` takes only text, so the

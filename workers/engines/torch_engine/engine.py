@@ -381,7 +381,7 @@ class TorchEngine:
             sampling=request.sampling,
             stop=request.stop,
             output=request.output,
-            detokenizer=self._detokenizer(request),
+            detokenizer=IncrementalDetokenizer.of_request(self.tokenizer, request),
             generator=generator,
             banned_before_min_tokens=tuple({*self.info.eos_token_ids, *request.stop.stop_token_ids}),
             bootstrap_room=request.bootstrap.bootstrap_room if request.bootstrap is not None else None,
@@ -401,13 +401,6 @@ class TorchEngine:
         for token_id in request.resumed.token_ids if request.resumed is not None else []:
             matcher.accept(token_id)
         return matcher
-
-    def _detokenizer(self, request: GenerateRequest) -> IncrementalDetokenizer:
-        stop, skip_special = request.stop.stop, request.output.skip_special_tokens
-        if request.resumed is None:
-            return IncrementalDetokenizer(self.tokenizer, stop, skip_special)
-        return IncrementalDetokenizer.resumed(self.tokenizer, stop, skip_special, request.resumed.token_ids,
-                                              request.resumed.text)
 
     # ----- the engine thread ---------------------------------------------------------------------
 
