@@ -16,6 +16,7 @@
 #   serving   scripts/bench_vs_sglang.py: bench_serving's bursts at 64 streams, with the server's own control
 # GOALS_STEPS picks and orders them (default: all, in the order above). GOALS_ALSO="NAME=URL ..." adds targets to
 # the aiperf, ttft and streams steps, measured in the same rounds (stack b: GOALS_ALSO=b=http://127.0.0.1:8001).
+# GOALS_REQUESTS_PER_STREAM (default 4) lengthens each aiperf run: at 4, a 64-stream run is 7-9 s under load in 40 s.
 # A step that fails is logged and the next one runs. While the run lasts, top's busiest processes are logged every
 # 2 s (top.log), so a slow round can be read against what else ran. /tmp/goals/done marks the end.
 set -euo pipefail
@@ -37,7 +38,8 @@ run_step() {  # run_step NAME ROUNDS
     case "$1" in
         aiperf) step aiperf python3 scripts/bench_aiperf.py --tokenizer .gpu/smol "sglang=$server" "conveyor=$stack" \
                     "${also_named[@]}" \
-                    --concurrency ${GOALS_LEVELS:-64 256 16 1} --rounds "$2" --workers-max 4 --out "$dir/aiperf" ;;
+                    --concurrency ${GOALS_LEVELS:-64 256 16 1} --rounds "$2" --workers-max 4 --out "$dir/aiperf" \
+                    --requests-per-stream "${GOALS_REQUESTS_PER_STREAM:-4}" ;;
         ttft) step ttft python3 scripts/bench_ttft.py --model .gpu/smol "$server" "$stack" "${also_urls[@]}" ;;
         streams) step streams python3 scripts/bench_ttft.py --model .gpu/smol --requests 60 --min-tokens 128 \
                      --max-tokens 512 --progress-every 20 "$server" "$stack" "${also_urls[@]}" ;;
@@ -87,7 +89,7 @@ case "${1:-}" in
         if [ -f "$dir/done" ]; then echo "[gpu-goals] done"; else echo "[gpu-goals] still running"; fi
         ;;
     *)
-        sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
+        sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
         exit 2
         ;;
 esac
