@@ -3,9 +3,11 @@
 bench_serving and aiperf alternate whole runs between two servers, so a few milliseconds of difference drown in what
 changes between runs (prompt mix, GPU clocks, the machine's other load: on the H100 machine one system's per-token
 time at one stream moved 1.9 → 2.6 ms from one run to the next). This client sends each prompt to every target in
-turn, one request at a time (the order alternating prompt by prompt), so every target meets the same machine state,
-and prints each target's TTFT percentiles and the median of the per-prompt differences against the first target:
-the latency one system adds over another.
+turn, one request at a time, so every target meets the same machine state, and prints each target's TTFT percentiles
+and the median of the per-prompt differences against the first target (with its 95% bootstrap interval): the latency
+one system adds over another. The order turns prompt by prompt through every rotation of the targets, forwards and
+backwards, so each target takes each place in the order equally often (until the twentieth stop it only alternated
+forwards and backwards, which left the middle one of three always second).
 
 Prompts are random token ids of the model's tokenizer, 1/4 to all of `--prompt-tokens` long, sent as text; a target
 written `URL#ids` gets the same prompts as token ids instead (no tokenizer on its path). Each request streams
@@ -109,6 +111,23 @@ def random_prompts(model: str, count: int, max_tokens: int, seed: int) -> list[t
     return prompts
 
 
+def orders(targets: list[Target]) -> list[list[Target]]:
+    """Every rotation of the targets and of their reverse: cycled prompt by prompt, each target is in each place of
+    the order equally often, and after each other target equally often."""
+    rotations = []
+    for sequence in (targets, targets[::-1]):
+        rotations += [sequence[shift:] + sequence[:shift] for shift in range(len(sequence))]
+    return rotations
+
+
+def median_interval(values: list[float], seed: int, resamples: int = 2000) -> tuple[float, float]:
+    """The 95% bootstrap interval of the median: how far this run's prompts leave it uncertain (not the run-to-run
+    spread, which on the H100 machine has been wider)."""
+    draw = random.Random(seed)
+    medians = sorted(statistics.median(draw.choices(values, k=len(values))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
 def percentiles(values: list[float]) -> str:
     deciles = statistics.quantiles(values, n=10)
     return f"p10 {deciles[0]:6.2f}  p50 {statistics.median(values):6.2f}  p90 {deciles[-1]:6.2f} ms"
@@ -149,9 +168,9 @@ async def run(args: argparse.Namespace) -> None:
     print(f"[bench-ttft] prompts from seed {args.seed}", file=sys.stderr, flush=True)
     samples: dict[Target, list[Stream]] = {target: [] for target in args.targets}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.request_timeout_s)) as session:
+        cycle = orders(args.targets)
         for index, (text, ids) in enumerate(prompts):
-            order = args.targets if index % 2 == 0 else args.targets[::-1]
-            for target in order:
+            for target in cycle[index % len(cycle)]:
                 samples[target].append(await stream_once(session, target, args.model, text, ids, num_tokens[index]))
             done = index + 1 - args.warmup
             if done > 0 and done % args.progress_every == 0:
@@ -165,8 +184,9 @@ async def run(args: argparse.Namespace) -> None:
     base = args.targets[0]
     for target in args.targets[1:]:
         differences = [mine.ttft_ms - theirs.ttft_ms for theirs, mine in zip(kept[base], kept[target], strict=True)]
-        print(f"  added by {target} over {base}, per prompt: median {statistics.median(differences):+.2f} ms, "
-              f"mean {statistics.mean(differences):+.2f} ms")
+        low, high = median_interval(differences, args.seed)
+        print(f"  added by {target} over {base}, per prompt: median {statistics.median(differences):+.2f} ms "
+              f"(95% interval {low:+.2f} to {high:+.2f}), mean {statistics.mean(differences):+.2f} ms")
     if args.min_tokens >= MIN_TOKENS_FOR_RATES:
         print_streams(kept, base)
 
