@@ -6,6 +6,8 @@
 #                                              to launch_server after ours, e.g. --log-level info
 #   bash scripts/gpu_hold.sh stack a [VAR=V]   a Conveyor stack: gateway :8000, metrics :9101 (decode :9102), 40% of the GPU
 #   bash scripts/gpu_hold.sh stack b [VAR=V]   a second one: gateway :8001, metrics :9111 (decode :9112), NATS :4223, 50%
+#   bash scripts/gpu_hold.sh stop a|b          stop that stack and wait until it has exited (to start it again with
+#                                              other settings in the same lease: an A/B with the settings swapped)
 #
 # VAR=V settings go to the stack's environment, e.g. CONVEYOR_SGLANG_PREFILL_BUDGET_TOKENS=2048; DECODE_ARGS in
 # this script's own environment goes to the decode worker's command line, e.g. DECODE_ARGS='--migration-limit 0';
@@ -60,8 +62,18 @@ case "${1:-}" in
             || { tail -20 "/tmp/conveyor-$name.log"; exit 1; }
         grep "ready at" "/tmp/conveyor-$name.log"
         ;;
+    stop)
+        name=${2:?"stop a or stop b"}
+        # The brackets keep the pattern from matching this script's own command line.
+        pattern="bench_vs_sglang[.]py conveyor .*--out /tmp/$name( |$)"
+        pkill -TERM -f "$pattern" || { echo "[gpu-hold] no stack $name running" >&2; exit 1; }
+        for _ in $(seq 120); do pgrep -f "$pattern" > /dev/null || break; sleep 1; done
+        if pgrep -f "$pattern" > /dev/null; then echo "[gpu-hold] stack $name still running after 120 s" >&2; exit 1; fi
+        mv "/tmp/conveyor-$name.log" "/tmp/conveyor-$name.$(date +%H%M%S).log" 2>/dev/null || true
+        echo "[gpu-hold] conveyor stack $name stopped"
+        ;;
     *)
-        sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
+        sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
         exit 2
         ;;
 esac
