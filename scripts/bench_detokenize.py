@@ -22,18 +22,6 @@ sys.path.insert(0, str(ROOT))
 from workers.engines.detokenizer import Decoder, IncrementalDetokenizer  # noqa: E402
 
 
-class _Direct:
-    """The `tokenizers` library's tokenizer behind the `decode` the detokenizer calls."""
-
-    def __init__(self, path: Path) -> None:
-        from tokenizers import Tokenizer
-
-        self._tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return str(self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
-
-
 def us_per_token(tokenizer: Decoder, token_ids: list[int], stop: list[str], runs: int) -> tuple[float, str]:
     """The least CPU microseconds per token over `runs`, and the text it made (to check both agree)."""
     best_s, text = float("inf"), ""
@@ -64,7 +52,9 @@ def main() -> None:
     token_ids = fast(args.text.read_text()[: args.tokens * 20])["input_ids"][: args.tokens]
     print(f"{len(token_ids)} tokens of {args.text.name}, one per call, model {model.name}, fastest of {args.runs} runs")
     fast_us, fast_text = us_per_token(fast, token_ids, args.stop, args.runs)
-    direct_us, direct_text = us_per_token(_Direct(model), token_ids, args.stop, args.runs)
+    # The Rust tokenizer under transformers' fast one, which the SGLang engine decodes with when SGLang runs without
+    # its tokenizer (sglang_engine.own_decoder).
+    direct_us, direct_text = us_per_token(fast.backend_tokenizer, token_ids, args.stop, args.runs)
     print(f"  transformers fast tokenizer: {fast_us:6.1f} µs per token")
     print(f"  tokenizers directly:         {direct_us:6.1f} µs per token ({direct_us / fast_us:.2f}× of transformers)")
     print(f"  same text from both: {fast_text == direct_text}")
