@@ -1,7 +1,7 @@
 """Where one request's first token spends its time, hop by hop: client → processor → decode → client, one at a time.
 
-It starts an embedded nats-server and a processor and a decode worker on the mock engine (5 ms to the first token) as
-their own processes, with time stamps added at each point of a task's path by wrapping functions at start-up (nothing
+It starts an embedded nats-server and a processor and a decode worker (the mock engine, 5 ms to the first token, or
+SGLang with --engine sglang) as their own processes, with time stamps added at each point of a task's path by wrapping functions at start-up (nothing
 in the project changes). Then it sends --requests token-id requests one after another, 20 ms apart (an idle pipeline:
 what one stream sees), and prints the median time between consecutive points:
 
@@ -11,6 +11,16 @@ what one stream sees), and prints the median time between consecutive points:
 
     .venv/bin/python scripts/trace_hops.py --requests 300
     .venv/bin/python scripts/trace_hops.py --requests 300 --root /tmp/base   # another checkout's workers
+
+On the GPU machine, SGLang as the engine, each request paired with the same prompt (token ids) sent to SGLang's own
+server (`/generate`, streamed), alternating which goes first; two more points split the engine's part (SGLang's
+tokenizer manager dispatching the request to its scheduler, and receiving the first output back):
+
+    bash scripts/gpu_run.sh python3 scripts/trace_hops.py --engine sglang --model .gpu/smol \
+        --prompt-tokens 256 1024 --server-url http://127.0.0.1:30000
+
+The decode worker's SGLang gets CONVEYOR_SGLANG_* from the environment (default here: 30% of the GPU, page 16,
+asleep while idle).
 
 All processes stamp `time.time()` of one machine, so their stamps compare. The wrappers cost a few microseconds a
 point; the first token's total (printed last) is a little slower than unwrapped.
@@ -42,11 +52,22 @@ POINTS = ["submit", "publish@processor",
           "processor.stored", "processor.socket", "processor.handed", "processor.handler", "publish@decode",
           "decode.stored", "decode.socket", "decode.handed", "decode.handler",
           "engine.start", "engine.first_token", "first_frame_out", "client_first"]
+# Inside SGLang's engine: its tokenizer manager hands the request to the scheduler, and receives the first output.
+SGLANG_POINTS = ["sglang.dispatched", "sglang.first_output"]
+ENGINE_CLASSES = {"mock": ("workers.engines.mock", "MockEngine"),
+                  "sglang": ("workers.engines.sglang_engine", "SGLangEngine")}
+
+
+def points_of(engine: str) -> list[str]:
+    if engine != "sglang":
+        return POINTS
+    at = POINTS.index("engine.first_token")
+    return POINTS[:at] + SGLANG_POINTS + POINTS[at:]
 
 
 # ----- in each worker process: wrap the path's functions, then run the worker ---------------------------------------
 
-def run_traced_worker(stage: str, out_path: str, argv: list[str]) -> None:
+def run_traced_worker(stage: str, engine: str, out_path: str, argv: list[str]) -> None:
     out = open(out_path, "w", buffering=1)  # noqa: SIM115 (open for the process's life)
 
     def stamp(point: str, request_id: str | None = None, at_s: float | None = None) -> None:
@@ -56,7 +77,9 @@ def run_traced_worker(stage: str, out_path: str, argv: list[str]) -> None:
     _wrap_socket(stage, stamp)
     _wrap_publish(stamp)
     if stage == "decode":
-        _wrap_engine_and_frames(stamp)
+        _wrap_engine_and_frames(engine, stamp)
+        if engine == "sglang":
+            _wrap_sglang(stamp)
     from workers.cli import app
 
     sys.argv = ["conveyor", "worker", stage, *argv]
@@ -118,11 +141,14 @@ def _wrap_publish(stamp: Callable[..., None]) -> None:
     publish.TaskPublisher._publish_until_acked = traced  # type: ignore[method-assign]
 
 
-def _wrap_engine_and_frames(stamp: Callable[..., None]) -> None:
-    from bus import connection, journal, replies
-    from workers.engines import mock
+def _wrap_engine_and_frames(engine: str, stamp: Callable[..., None]) -> None:
+    import importlib
 
-    generate = mock.MockEngine.generate
+    from bus import connection, journal, replies
+
+    module, name = ENGINE_CLASSES[engine]
+    engine_class = getattr(importlib.import_module(module), name)
+    generate = engine_class.generate
 
     async def traced_generate(self: Any, request: Any) -> Any:
         stamp("engine.start", request.request_id)
@@ -139,61 +165,190 @@ def _wrap_engine_and_frames(stamp: Callable[..., None]) -> None:
         stamp("frames_out")  # matched to its request by time: the first after the engine's first token
         await publish_frames(nc, *frames)
 
-    mock.MockEngine.generate = traced_generate  # type: ignore[method-assign]
+    engine_class.generate = traced_generate
     replies.publish_frames = journal.publish_frames = traced_publish_frames  # type: ignore[assignment]
+
+
+def _wrap_sglang(stamp: Callable[..., None]) -> None:
+    """SGLang's tokenizer manager (in the decode worker's process): dispatching a request to the scheduler, and each
+    batch of outputs coming back (the request ids it names; the first after dispatch is the first token's)."""
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    send_one_request, handle_batch_output = TokenizerManager._send_one_request, TokenizerManager._handle_batch_output
+
+    def traced_send(self: Any, tokenized: Any) -> Any:
+        result = send_one_request(self, tokenized)
+        stamp("sglang.dispatched", tokenized.rid)
+        return result
+
+    async def traced_handle(self: Any, outputs: Any) -> Any:
+        at_s = time.time()
+        for rid in outputs.rids:
+            stamp("sglang.first_output", rid, at_s)  # every batch: the assembly keeps each request's first
+        return await handle_batch_output(self, outputs)
+
+    TokenizerManager._send_one_request = traced_send  # type: ignore[method-assign]
+    TokenizerManager._handle_batch_output = traced_handle  # type: ignore[method-assign]
 
 
 # ----- the driver ----------------------------------------------------------------------------------------------------
 
-async def drive(args: argparse.Namespace, trace_dir: Path) -> dict[str, dict[str, float]]:
+def worker_env(args: argparse.Namespace) -> dict[str, str]:
+    if args.engine == "mock":
+        from bench_pipeline import mock_env
+
+        return mock_env(inter_token_ms=10)
+    # The caller's settings win; these are what gpu_hold.sh gives a stack beside the held server.
+    return {"CONVEYOR_SGLANG_MEM_FRACTION_STATIC": "0.3", "CONVEYOR_SGLANG_PAGE_SIZE": "16",
+            "CONVEYOR_SGLANG_EXTRA_SERVER_ARGS": '{"sleep_on_idle": true}',
+            **{key: value for key, value in os.environ.items() if key.startswith("CONVEYOR_SGLANG_")}}
+
+
+def worker_args(args: argparse.Namespace) -> list[str]:
+    engine = ["--engine", args.engine, "--log-level", "WARNING"]
+    return engine if args.engine == "mock" else [*engine, "--model", args.model, "--load-format", "dummy"]
+
+
+async def ready_model(client: Any, timeout_s: float) -> str:
+    """The one model the started workers serve, once they are ready (SGLang takes a minute or two to start)."""
+    from bus.registry import ready_models
+
+    deadline_s = time.monotonic() + timeout_s
+    while not (models := ready_models(await client.live_workers())):
+        if time.monotonic() > deadline_s:
+            raise TimeoutError(f"the workers were not ready within {timeout_s:.0f} s")
+        await asyncio.sleep(0.5)
+    return next(iter(models))
+
+
+async def gateway_ready(session: Any, url: str, timeout_s: float) -> None:
+    deadline_s = time.monotonic() + timeout_s
+    while True:
+        try:
+            async with session.get(url) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline_s:
+            raise TimeoutError(f"the gateway did not answer {url} within {timeout_s:.0f} s")
+        await asyncio.sleep(0.2)
+
+
+async def first_event_s(session: Any, url: str, body: dict[str, Any]) -> float:
+    """Seconds from posting `body` (a streamed request) to its first event with output; read to the end, so the next
+    request finds the server idle."""
+    started_s, first_s = time.perf_counter(), 0.0
+    async with session.post(url, json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"{url}: HTTP {response.status}: {(await response.text())[:300]}")
+        async for line in response.content:
+            if not first_s and line.startswith(b"data: {") and b'"text"' in line:
+                first_s = time.perf_counter()
+    if not first_s:
+        raise RuntimeError(f"{url}: the stream ended without output")
+    return first_s - started_s
+
+
+def server_body(token_ids: list[int], max_tokens: int) -> dict[str, Any]:
+    """SGLang's own `/generate`, streamed, with the prompt as token ids."""
+    return {"input_ids": token_ids, "stream": True, "sampling_params": {"max_new_tokens": max_tokens, "ignore_eos": True}}
+
+
+def gateway_body(model: str, token_ids: list[int], max_tokens: int) -> dict[str, Any]:
+    return {"model": model, "prompt": token_ids, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+
+
+async def drive(args: argparse.Namespace, trace_dir: Path) -> tuple[dict[str, dict[str, float]], dict[str, float],
+                                                                 dict[str, float]]:
+    """Each request's points stamped in this process (requests over NATS), the gateway's first-token seconds per
+    request id (requests over HTTP, with --gateway-port), and the server's for each (with --server-url)."""
+    import random
+
+    import aiohttp
+
     sys.path.insert(0, str(args.root))
     sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_pipeline import mock_env, wait_ready
-
     from bus.client import open_client
     from bus.server import EmbeddedNatsServer
     from bus.settings import BusSettings, NatsSettings
     from schemas.client import CompletionRequest, StreamFormat
 
     client_points: dict[str, dict[str, float]] = {}
+    server_s: dict[str, float] = {}
+    gateway_s: dict[str, float] = {}
 
     def stamp(point: str, request_id: str | None = None, at_s: float | None = None) -> None:
         if request_id is not None:
             client_points.setdefault(request_id, {})[point] = at_s or time.time()
 
+    async def through_conveyor(client: Any, model: str, request_id: str, token_ids: list[int]) -> None:
+        request = CompletionRequest(request_id=request_id, reply_to=client.new_inbox(), model=model,
+                                    prompt=token_ids, max_tokens=args.max_tokens, stream_format=StreamFormat.TOKENS)
+        submitted_s, first_s = time.time(), 0.0
+        async with await client.submit(request, first_frame_timeout_s=60) as stream:
+            async for chunk in stream:
+                if not first_s and chunk.token_ids:
+                    first_s = time.time()
+        client_points[request_id].update(submit=submitted_s, client_first=first_s)
+
     _wrap_publish(stamp)
+    rng = random.Random(args.seed)
+    low, high = args.prompt_tokens
     with EmbeddedNatsServer() as server:
         namespace = f"hops{uuid.uuid4().hex[:6]}"
-        env = {**os.environ, **mock_env(inter_token_ms=10), "CONVEYOR_NATS_URLS": server.url,
-               "CONVEYOR_NAMESPACE": namespace, "PYTHONPATH": str(args.root)}
-        workers = [subprocess.Popen([sys.executable, __file__, "--as-worker", stage, "--trace-file",
-                                     str(trace_dir / f"{stage}.jsonl"), "--root", str(args.root), "--",
-                                     "--engine", "mock", "--log-level", "WARNING"], cwd=args.root, env=env)
+        # The checkout first, then what the caller made importable (gpu_run.sh: SGLang and the carried packages).
+        python_path = os.pathsep.join(filter(None, [str(args.root), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, **worker_env(args), "CONVEYOR_NATS_URLS": server.url, "CONVEYOR_NAMESPACE": namespace,
+               "PYTHONPATH": python_path}
+        workers = [subprocess.Popen([sys.executable, __file__, "--as-worker", stage, "--engine", args.engine,
+                                     "--trace-file", str(trace_dir / f"{stage}.jsonl"), "--root", str(args.root),
+                                     "--", *worker_args(args)], cwd=args.root, env=env)
                    for stage in STAGES]
+        if args.gateway_port:
+            workers.append(subprocess.Popen([sys.executable, "-m", "workers.cli", "gateway", "--host", "127.0.0.1",
+                                             "--port", str(args.gateway_port), "--log-level", "WARNING"],
+                                            cwd=args.root, env=env))
+        gateway_url = f"http://127.0.0.1:{args.gateway_port}/v1/completions"
         try:
-            async with open_client(NatsSettings(urls=[server.url]), BusSettings(namespace=namespace), "hops") as client:
-                await wait_ready(client)
+            async with (open_client(NatsSettings(urls=[server.url]), BusSettings(namespace=namespace), "hops") as client,
+                        aiohttp.ClientSession() as session):
+                model = await ready_model(client, args.start_timeout_s)
+                if args.gateway_port:
+                    await gateway_ready(session, f"http://127.0.0.1:{args.gateway_port}/health", args.start_timeout_s)
+                print(f"[trace-hops] workers ready ({args.engine}, model {model}); "
+                      f"{args.warmup} + {args.requests} requests", file=sys.stderr, flush=True)
                 for index in range(args.warmup + args.requests):
-                    request = CompletionRequest(request_id=f"hop{index:05d}-{uuid.uuid4().hex[:6]}",
-                                                reply_to=client.new_inbox(), model="mock",
-                                                prompt=list(range(1000, 1128)), max_tokens=2,
-                                                stream_format=StreamFormat.TOKENS)
-                    submitted_s, first_s = time.time(), 0.0
-                    async with await client.submit(request, first_frame_timeout_s=30) as stream:
-                        async for chunk in stream:
-                            if not first_s and chunk.token_ids:
-                                first_s = time.time()
-                    if index >= args.warmup:
-                        client_points[request.request_id].update(submit=submitted_s, client_first=first_s)
+                    request_id = f"hop{index:05d}-{uuid.uuid4().hex[:6]}"
+                    # Random ids from the middle of the vocabulary: a fresh prompt each time, nothing cached.
+                    token_ids = [rng.randrange(1000, 30000) for _ in range(rng.randint(low, high))]
+                    # Which goes first alternates every request; with a gateway, every other pair goes through it.
+                    server_first, over_http = index % 2 == 1, bool(args.gateway_port) and index % 4 >= 2
+                    if args.server_url and server_first:
+                        server_s[request_id] = await first_event_s(session, f"{args.server_url}/generate",
+                                                                   server_body(token_ids, args.max_tokens))
+                        await asyncio.sleep(args.gap_s)
+                    if over_http:
+                        gateway_s[request_id] = await first_event_s(session, gateway_url,
+                                                                    gateway_body(model, token_ids, args.max_tokens))
                     else:
-                        client_points.pop(request.request_id, None)
-                    await asyncio.sleep(0.02)
+                        await through_conveyor(client, model, request_id, token_ids)
+                    if args.server_url and not server_first:
+                        await asyncio.sleep(args.gap_s)
+                        server_s[request_id] = await first_event_s(session, f"{args.server_url}/generate",
+                                                                   server_body(token_ids, args.max_tokens))
+                    if index < args.warmup:
+                        for kept in (client_points, server_s, gateway_s):
+                            kept.pop(request_id, None)
+                    if (index + 1) % 100 == 0:
+                        print(f"[trace-hops] {index + 1} sent", file=sys.stderr, flush=True)
+                    await asyncio.sleep(args.gap_s)
         finally:
             for worker in workers:
                 worker.send_signal(signal.SIGTERM)
             for worker in workers:
-                worker.wait(timeout=30)
-    return client_points
+                worker.wait(timeout=60)
+    return client_points, gateway_s, server_s
 
 
 def assemble(by_request: dict[str, dict[str, float]], trace_dir: Path) -> dict[str, dict[str, float]]:
@@ -223,22 +378,70 @@ def _first_after(stamps: list[float], after: float | None) -> float | None:
     return None if after is None else next((t for t in stamps if t >= after), None)
 
 
-def report(by_request: dict[str, dict[str, float]]) -> None:
-    complete = [points for points in by_request.values() if all(point in points for point in POINTS)]
-    print(f"{len(complete)} requests one at a time, medians in ms (mock engine: 5 ms to the first token)")
+def report(by_request: dict[str, dict[str, float]], engine: str, gateway_s: dict[str, float],
+           server_s: dict[str, float]) -> None:
+    points_in_order = points_of(engine)
+    complete = {request_id: points for request_id, points in by_request.items()
+                if all(point in points for point in points_in_order)}
+    what = "mock engine: 5 ms to the first token" if engine == "mock" else engine
+    print(f"{len(complete)} requests one at a time, medians in ms ({what})")
     total_ms = 0.0
-    for before, point in pairwise(POINTS):
-        step_ms = statistics.median(1000 * (points[point] - points[before]) for points in complete)
+    for before, point in pairwise(points_in_order):
+        step_ms = statistics.median(1000 * (points[point] - points[before]) for points in complete.values())
         total_ms += step_ms
         print(f"  → {point:<22} {step_ms:7.3f}   {total_ms:7.3f}")
-    ttfts_ms = [1000 * (points["client_first"] - points["submit"]) for points in complete]
+    ttfts_ms = [1000 * (points["client_first"] - points["submit"]) for points in complete.values()]
     print(f"first token: p50 {statistics.median(ttfts_ms):.2f} ms, p90 {sorted(ttfts_ms)[int(0.9 * len(ttfts_ms))]:.2f} ms")
+    if gateway_s:
+        print(f"through the gateway (HTTP, token ids), {len(gateway_s)} requests: "
+              f"p50 {1000 * statistics.median(gateway_s.values()):.2f} ms")
+    paired = [request_id for request_id in complete if request_id in server_s]
+    if paired:
+        report_paired({request_id: complete[request_id] for request_id in paired}, gateway_s, server_s)
+
+
+def report_paired(points_of_request: dict[str, dict[str, float]], gateway_s: dict[str, float],
+                  server_s: dict[str, float]) -> None:
+    """Each span of Conveyor's path against the server's whole first token for the same prompt (median of the
+    per-prompt differences, with its 95% bootstrap interval)."""
+    from bench_ttft import median_interval
+
+    server_ms = [1000 * server_s[request_id] for request_id in points_of_request]
+    print(f"paired with SGLang's own server, {len(server_ms)} prompts; its first token (HTTP, token ids): "
+          f"p50 {statistics.median(server_ms):.2f} ms")
+    spans = [("Conveyor's whole first token (NATS client)", "submit", "client_first"),
+             ("the engine's part (start → first token)", "engine.start", "engine.first_token")]
+    if all("sglang.dispatched" in points for points in points_of_request.values()):
+        spans.append(("SGLang's scheduler round trip (dispatch → output)", "sglang.dispatched", "sglang.first_output"))
+    rows = [(label, [1000 * (points[end] - points[start] - server_s[request_id])
+                     for request_id, points in points_of_request.items()]) for label, start, end in spans]
+    if gateway_s:
+        rows.insert(0, ("Conveyor's whole first token (HTTP, the gateway)",
+                        [1000 * (seconds - server_s[request_id]) for request_id, seconds in gateway_s.items()
+                         if request_id in server_s]))
+    for label, differences in rows:
+        low, high = median_interval(differences, seed=1)
+        print(f"  {label:<52} − server: median {statistics.median(differences):+7.3f} ms  (95%: {low:+.3f} to {high:+.3f})"
+              f", {len(differences)} prompts")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--engine", choices=sorted(ENGINE_CLASSES), default="mock",
+                        help="the decode worker's engine (sglang: on the GPU machine, with --model)")
+    parser.add_argument("--model", help="the model's folder, for --engine sglang (dummy weights)")
+    parser.add_argument("--prompt-tokens", type=int, nargs=2, default=(128, 128), metavar=("MIN", "MAX"),
+                        help="each prompt's length, drawn evenly between these (random token ids; default 128)")
+    parser.add_argument("--max-tokens", type=int, default=2, help="tokens generated per request (default 2)")
+    parser.add_argument("--server-url", help="SGLang's own server: pair each request with the same prompt sent there")
+    parser.add_argument("--gateway-port", type=int, default=0,
+                        help="also start a gateway on this port and send every other pair of requests through it")
+    parser.add_argument("--gap-s", type=float, default=0.02, help="idle time between requests (default 0.02)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json-out", type=Path, help="also write each request's stamps and first tokens here")
+    parser.add_argument("--start-timeout-s", type=float, default=600)
     parser.add_argument("--root", type=Path, default=ROOT, help="the checkout whose workers run (default: this one)")
     parser.add_argument("--as-worker", choices=STAGES, help=argparse.SUPPRESS)
     parser.add_argument("--trace-file", help=argparse.SUPPRESS)
@@ -246,13 +449,18 @@ def main() -> None:
     args = parser.parse_args()
     if args.as_worker:
         sys.path.insert(0, str(args.root))
-        run_traced_worker(args.as_worker, args.trace_file, args.worker_args)
+        run_traced_worker(args.as_worker, args.engine, args.trace_file, args.worker_args)
         return
+    if args.engine == "sglang" and not args.model:
+        parser.error("--engine sglang needs --model")
     import uvloop
 
     with tempfile.TemporaryDirectory(prefix="trace-hops-") as folder:
-        client_points = uvloop.run(drive(args, Path(folder)))
-        report(assemble(client_points, Path(folder)))
+        client_points, gateway_s, server_s = uvloop.run(drive(args, Path(folder)))
+        by_request = assemble(client_points, Path(folder))
+    report(by_request, args.engine, gateway_s, server_s)
+    if args.json_out:
+        args.json_out.write_text(json.dumps({"nats": by_request, "gateway_s": gateway_s, "server_s": server_s}))
 
 
 if __name__ == "__main__":
