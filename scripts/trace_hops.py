@@ -221,6 +221,26 @@ async def ready_model(client: Any, timeout_s: float) -> str:
     return next(iter(models))
 
 
+def pin(pid: int, cores: set[int]) -> None:
+    """Keep every thread of a process (not its children: SGLang's scheduler stays free) on these cores."""
+    for thread in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(thread), cores)
+        except ProcessLookupError:
+            pass  # a thread that ended meanwhile
+
+
+def pin_each(cores: list[int], server_pid: int | None, workers: list[subprocess.Popen[bytes]]) -> None:
+    """The nats-server on two cores, then one core each: processor, decode worker, gateway, this client."""
+    if server_pid is not None:
+        pin(server_pid, set(cores[:2]))
+    for worker, core in zip(workers, cores[2:]):
+        pin(worker.pid, {core})
+    pin(os.getpid(), {cores[2 + len(workers)]})
+    print(f"[trace-hops] pinned: nats-server {cores[:2]}, workers and client {cores[2:3 + len(workers)]}",
+          file=sys.stderr, flush=True)
+
+
 async def gateway_ready(session: Any, url: str, timeout_s: float) -> None:
     deadline_s = time.monotonic() + timeout_s
     while True:
@@ -316,6 +336,8 @@ async def drive(args: argparse.Namespace, trace_dir: Path) -> tuple[dict[str, di
                 model = await ready_model(client, args.start_timeout_s)
                 if args.gateway_port:
                     await gateway_ready(session, f"http://127.0.0.1:{args.gateway_port}/health", args.start_timeout_s)
+                if args.pin:
+                    pin_each(args.pin, server.pid, workers)
                 print(f"[trace-hops] workers ready ({args.engine}, model {model}); "
                       f"{args.warmup} + {args.requests} requests", file=sys.stderr, flush=True)
                 for index in range(args.warmup + args.requests):
@@ -438,6 +460,9 @@ def main() -> None:
     parser.add_argument("--server-url", help="SGLang's own server: pair each request with the same prompt sent there")
     parser.add_argument("--gateway-port", type=int, default=0,
                         help="also start a gateway on this port and send every other pair of requests through it")
+    parser.add_argument("--pin", type=lambda text: [int(core) for core in text.split(",")],
+                        help="cores to pin to once ready, comma-separated: two for the nats-server, then one each for "
+                             "the processor, the decode worker (not SGLang's own processes), the gateway, this client")
     parser.add_argument("--gap-s", type=float, default=0.02, help="idle time between requests (default 0.02)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json-out", type=Path, help="also write each request's stamps and first tokens here")
