@@ -23,10 +23,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 MAX_RUNNING=128
 
-wait_for() {  # wait_for WHAT SECONDS COMMAND...: poll until COMMAND succeeds
-    local what=$1 seconds=$2; shift 2
+wait_for() {  # wait_for WHAT SECONDS PIDFILE COMMAND...: poll until COMMAND succeeds; give up when PIDFILE's process exits
+    local what=$1 seconds=$2 pid_file=$3; shift 3
     for _ in $(seq "$seconds"); do
         if "$@" > /dev/null 2>&1; then echo "[gpu-hold] $what ready"; return 0; fi
+        # A held process that died will never answer: say so now rather than at the end of the wait.
+        if ! kill -0 "$(cat "$pid_file")" 2> /dev/null; then echo "[gpu-hold] $what exited before it was ready" >&2; return 1; fi
         sleep 1
     done
     echo "[gpu-hold] $what not ready after ${seconds} s" >&2
@@ -41,8 +43,8 @@ case "${1:-}" in
             --load-format dummy --attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.35 \
             --page-size 16 --host 127.0.0.1 --port 30000 --max-running-requests "$MAX_RUNNING" --log-level warning \
             --sleep-on-idle "$@" \
-            > /tmp/sglang-server.log 2>&1 < /dev/null &)
-        wait_for "sglang server" 300 curl -sf http://127.0.0.1:30000/v1/models || { tail -20 /tmp/sglang-server.log; exit 1; }
+            > /tmp/sglang-server.log 2>&1 < /dev/null & echo $! > /tmp/sglang-server.pid)
+        wait_for "sglang server" 300 /tmp/sglang-server.pid curl -sf http://127.0.0.1:30000/v1/models || { tail -20 /tmp/sglang-server.log; exit 1; }
         ;;
     stack)
         name=${2:?"stack a or stack b"}
@@ -54,11 +56,18 @@ case "${1:-}" in
         esac
         if [ -n "${DECODE_ARGS:-}" ]; then options+=(--decode-args "$DECODE_ARGS"); fi
         if [ -n "${GATEWAY_WORKERS:-}" ]; then options+=(--gateway-workers "$GATEWAY_WORKERS"); fi
+        # A stack's calls carry no SGLang (it does not fit beside conveyor-deps): the server's call on this machine
+        # unpacked it. On a machine just started, say so now, not after a stack that cannot import it gave up.
+        if [ ! -f /tmp/sglang-site/.unpacked ] && [ ! -f .gpu/sglang-site.tar.xz ]; then
+            echo "[gpu-hold] SGLang is not unpacked on this machine (a fresh one?): start the server first in this" \
+                 "lease (bash scripts/gpu_hold.sh server), or carry .gpu/sglang-site.tar.xz and .gpu/sglang-server.tar.xz" >&2
+            exit 3
+        fi
         mkdir -p "/tmp/$name"
         (env CONVEYOR_SGLANG_EXTRA_SERVER_ARGS='{"sleep_on_idle": true}' "$@" setsid nohup bash scripts/gpu_run.sh \
             python3 scripts/bench_vs_sglang.py conveyor --model .gpu/smol --max-running-requests "$MAX_RUNNING" \
-            "${options[@]}" > "/tmp/conveyor-$name.log" 2>&1 < /dev/null &)
-        wait_for "conveyor stack $name" 300 grep -q "ready at" "/tmp/conveyor-$name.log" \
+            "${options[@]}" > "/tmp/conveyor-$name.log" 2>&1 < /dev/null & echo $! > "/tmp/conveyor-$name.pid")
+        wait_for "conveyor stack $name" 300 "/tmp/conveyor-$name.pid" grep -q "ready at" "/tmp/conveyor-$name.log" \
             || { tail -20 "/tmp/conveyor-$name.log"; exit 1; }
         grep "ready at" "/tmp/conveyor-$name.log"
         ;;
