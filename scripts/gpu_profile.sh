@@ -7,7 +7,10 @@
 # The server's profile is its main process (HTTP, tokenizer manager); Conveyor's are the decode worker (SGLang's
 # tokenizer manager and the reply path), the gateway (the last started, with GATEWAY_WORKERS) and the processor. Each
 # side also has its SGLang scheduler and detokenizer profiled: with a small model the scheduler's CPU caps both. Each
-# target gets one aiperf warm-up run first (the first run on a fresh stack is slower; WARMUP=0 skips it). Per target:
+# target gets one aiperf warm-up run first (the first run on a fresh stack is slower; WARMUP=0 skips it). The warm-up
+# sends WARMUP_REQUESTS_PER_STREAM requests per stream (default 2), the profiled run PROFILE_REQUESTS_PER_STREAM (8):
+# 16 for the warm-up fills SGLang's cache at 64 streams, so that the profiled run evicts as a long steady load does
+# (where SGLang's KV events cost the most: docs/performance.md, twenty-first stop). Per target:
 # OUT_DIR/prof-TARGET.json, TARGET-profiles.tgz (py-spy's collapsed stacks, one file per process) and
 # aiperf-TARGET.log: six files in all, under what a device call's $OUT brings back.
 set -euo pipefail
@@ -48,10 +51,10 @@ for target in "${targets[@]}"; do
     esac
     if [ "${WARMUP:-1}" = 1 ]; then
         echo "[gpu-profile] $target: warm-up" >&2
-        aiperf "$target-warmup" "$url" 2 > "/tmp/aiperf-$target-warmup.log" 2>&1
+        aiperf "$target-warmup" "$url" "${WARMUP_REQUESTS_PER_STREAM:-2}" > "/tmp/aiperf-$target-warmup.log" 2>&1
     fi
     echo "[gpu-profile] $target: loaded run, profiled (${processes[*]})" >&2
-    aiperf "$target" "$url" 8 > "$out/aiperf-$target.log" 2>&1 &
+    aiperf "$target" "$url" "${PROFILE_REQUESTS_PER_STREAM:-8}" > "$out/aiperf-$target.log" 2>&1 &
     loader=$!
     bash scripts/gpu_run.sh python3 scripts/profile_processes.py "${processes[@]}" --busy-percent 30 --duration-s 10 \
         "${metrics[@]}" --out "/tmp/profile-$target" > "$out/prof-$target.json" 2> "/tmp/profile-$target.err" || true
