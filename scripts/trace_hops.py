@@ -449,8 +449,8 @@ def report_paired(points_of_request: dict[str, dict[str, float]], gateway_s: dic
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=300)
-    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--requests", type=int, default=300, help="requests measured (default 300)")
+    parser.add_argument("--warmup", type=int, default=10, help="requests sent first and not counted (default 10)")
     parser.add_argument("--engine", choices=sorted(ENGINE_CLASSES), default="mock",
                         help="the decode worker's engine (sglang: on the GPU machine, with --model)")
     parser.add_argument("--model", help="the model's folder, for --engine sglang (dummy weights)")
@@ -462,11 +462,13 @@ def main() -> None:
                         help="also start a gateway on this port and send every other pair of requests through it")
     parser.add_argument("--pin", type=lambda text: [int(core) for core in text.split(",")],
                         help="cores to pin to once ready, comma-separated: two for the nats-server, then one each for "
-                             "the processor, the decode worker (not SGLang's own processes), the gateway, this client")
+                             "the processor, the decode worker (every thread of its process; SGLang's scheduler and "
+                             "detokenizer processes stay free), the gateway, this client")
     parser.add_argument("--gap-s", type=float, default=0.02, help="idle time between requests (default 0.02)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="of the random prompts (default 0)")
     parser.add_argument("--json-out", type=Path, help="also write each request's stamps and first tokens here")
-    parser.add_argument("--start-timeout-s", type=float, default=600)
+    parser.add_argument("--start-timeout-s", type=float, default=600,
+                        help="how long the workers may take to be ready (default 600)")
     parser.add_argument("--root", type=Path, default=ROOT, help="the checkout whose workers run (default: this one)")
     parser.add_argument("--as-worker", choices=STAGES, help=argparse.SUPPRESS)
     parser.add_argument("--trace-file", help=argparse.SUPPRESS)
