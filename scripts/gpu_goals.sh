@@ -76,7 +76,17 @@ case "${1:-}" in
         ;;
     wait)
         seconds=${2:?"wait SECONDS OUT"}; out=${3:?"wait SECONDS OUT"}
-        for _ in $(seq "$seconds"); do [ -f "$dir/done" ] && break; sleep 1; done
+        if [ ! -f "$dir/progress.log" ]; then
+            # A machine that went back between calls comes back bare: nothing to wait for (docs/gpu.md).
+            echo "[gpu-goals] no run on this machine (a fresh one?): start it with gpu_goals.sh start" >&2
+            exit 3
+        fi
+        for _ in $(seq "$seconds"); do
+            [ -f "$dir/done" ] && break
+            # The runner gone without its end mark (killed, out of memory): waiting longer brings nothing.
+            pgrep -f "gpu_goals[.]sh run" > /dev/null || { echo "[gpu-goals] the run is gone without finishing" >&2; break; }
+            sleep 1
+        done
         mkdir -p "$out"
         cp "$dir"/*.log "$out"/ 2>/dev/null || true
         cp "$dir/aiperf/results.json" "$out/aiperf-results.json" 2>/dev/null || true
