@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -209,16 +209,33 @@ def worker_args(args: argparse.Namespace) -> list[str]:
     return engine if args.engine == "mock" else [*engine, "--model", args.model, "--load-format", "dummy"]
 
 
-async def ready_model(client: Any, timeout_s: float) -> str:
+async def wait_until(what: str, ready: Callable[[], Awaitable[Any]], workers: list[subprocess.Popen[bytes]],
+                     timeout_s: float) -> Any:
+    """`ready()`'s first truthy answer, polled; a started process that exits first (SGLang that cannot start, say)
+    ends the wait at once rather than at the timeout."""
+    deadline_s = time.monotonic() + timeout_s
+    while not (answer := await ready()):
+        if (gone := next((worker for worker in workers if worker.poll() is not None), None)) is not None:
+            raise RuntimeError(f"{what}: {' '.join(map(str, gone.args[:6]))} ... exited with {gone.returncode}")
+        if time.monotonic() > deadline_s:
+            raise TimeoutError(f"{what}: not ready within {timeout_s:.0f} s")
+        await asyncio.sleep(0.5)
+    return answer
+
+
+async def served_model(client: Any) -> str | None:
     """The one model the started workers serve, once they are ready (SGLang takes a minute or two to start)."""
     from bus.registry import ready_models
 
-    deadline_s = time.monotonic() + timeout_s
-    while not (models := ready_models(await client.live_workers())):
-        if time.monotonic() > deadline_s:
-            raise TimeoutError(f"the workers were not ready within {timeout_s:.0f} s")
-        await asyncio.sleep(0.5)
-    return next(iter(models))
+    return next(iter(ready_models(await client.live_workers())), None)
+
+
+async def answers(session: Any, url: str) -> bool:
+    try:
+        async with session.get(url) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
 
 
 def pin(pid: int, cores: set[int]) -> None:
@@ -239,20 +256,6 @@ def pin_each(cores: list[int], server_pid: int | None, workers: list[subprocess.
     pin(os.getpid(), {cores[2 + len(workers)]})
     print(f"[trace-hops] pinned: nats-server {cores[:2]}, workers and client {cores[2:3 + len(workers)]}",
           file=sys.stderr, flush=True)
-
-
-async def gateway_ready(session: Any, url: str, timeout_s: float) -> None:
-    deadline_s = time.monotonic() + timeout_s
-    while True:
-        try:
-            async with session.get(url) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        if time.monotonic() > deadline_s:
-            raise TimeoutError(f"the gateway did not answer {url} within {timeout_s:.0f} s")
-        await asyncio.sleep(0.2)
 
 
 async def first_event_s(session: Any, url: str, body: dict[str, Any]) -> float:
@@ -333,9 +336,10 @@ async def drive(args: argparse.Namespace, trace_dir: Path) -> tuple[dict[str, di
         try:
             async with (open_client(NatsSettings(urls=[server.url]), BusSettings(namespace=namespace), "hops") as client,
                         aiohttp.ClientSession() as session):
-                model = await ready_model(client, args.start_timeout_s)
+                model = await wait_until("the workers", lambda: served_model(client), workers, args.start_timeout_s)
                 if args.gateway_port:
-                    await gateway_ready(session, f"http://127.0.0.1:{args.gateway_port}/health", args.start_timeout_s)
+                    health_url = f"http://127.0.0.1:{args.gateway_port}/health"
+                    await wait_until("the gateway", lambda: answers(session, health_url), workers, args.start_timeout_s)
                 if args.pin:
                     pin_each(args.pin, server.pid, workers)
                 print(f"[trace-hops] workers ready ({args.engine}, model {model}); "
