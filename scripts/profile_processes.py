@@ -84,7 +84,8 @@ def top_functions(raw_profile: Path, limit: int) -> dict[str, Any]:
     own, inclusive, total = Counter[str](), Counter[str](), 0
     for line in raw_profile.read_text().splitlines():
         stack, _, count_text = line.rpartition(" ")
-        if not stack:
+        # py-spy reads a live process's memory: now and then a frame's name is torn text with a newline in it.
+        if not stack or not count_text.isdigit():
             continue
         count = int(count_text)
         # "function (file.py:line)" per frame: counted per function, whatever its line.
