@@ -67,6 +67,8 @@ run_all() {
 case "${1:-}" in
     start)
         rm -rf "$dir" && mkdir -p "$dir"
+        # Written here, not by the run: a `wait` right after `start` must find the run it waits for.
+        echo "[gpu-goals $(date +%T)] started: ${GOALS_STEPS:-all steps}" > "$dir/progress.log"
         # GOALS_* go along in the environment.
         (setsid nohup bash "$0" run "${2:-3}" > "$dir/run.log" 2>&1 < /dev/null &)
         echo "[gpu-goals] started; progress in $dir/progress.log"
@@ -83,9 +85,11 @@ case "${1:-}" in
         fi
         for _ in $(seq "$seconds"); do
             [ -f "$dir/done" ] && break
-            # The runner gone without its end mark (killed, out of memory): waiting longer brings nothing.
-            pgrep -f "gpu_goals[.]sh run" > /dev/null || { echo "[gpu-goals] the run is gone without finishing" >&2; break; }
+            # Asleep first: a run started a moment ago may not have a process yet.
             sleep 1
+            # The runner gone without its end mark (killed, out of memory): waiting longer brings nothing.
+            [ -f "$dir/done" ] || pgrep -f "gpu_goals[.]sh run" > /dev/null \
+                || { echo "[gpu-goals] the run is gone without finishing" >&2; break; }
         done
         mkdir -p "$out"
         cp "$dir"/*.log "$out"/ 2>/dev/null || true
