@@ -99,6 +99,12 @@ case "${1:-}" in
         grep -h 'Decode batch\|Prefill batch' /tmp/sglang-server.log > "$out/server-batches.log" 2>/dev/null || true
         grep -h 'Decode batch\|Prefill batch' /tmp/a/bench-vs-sglang-conveyor/*.log > "$out/conveyor-batches.log" \
             2>/dev/null || true
+        if [ -s "$out/server-batches.log" ] && [ -s "$out/conveyor-batches.log" ]; then
+            # How fast each engine itself stepped, apart from what the pipeline does with its tokens.
+            python3 scripts/sglang_steps.py server="$out/server-batches.log" conveyor="$out/conveyor-batches.log" \
+                --min-running 32 > "$out/engine-steps.txt" 2>&1 || true
+            cat "$out/engine-steps.txt"
+        fi
         cat "$dir/progress.log"
         if [ -f "$dir/done" ]; then echo "[gpu-goals] done"; else echo "[gpu-goals] still running"; fi
         ;;

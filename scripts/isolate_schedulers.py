@@ -1,0 +1,113 @@
+"""Give each SGLang scheduler process a core of its own, and keep every other process off those cores (or undo it).
+
+On the H100 machine both SGLang schedulers (the server's and the one inside Conveyor's decode worker) sit at 100% of a
+core: with a small model their Python is what caps the token rate. At 64 streams and equal batch sizes, Conveyor's
+engine took 0.91x the server's decode steps a second (scripts/sglang_steps.py; docs/performance.md, twenty-second
+stop), with the same profile inside the scheduler. Conveyor's stack runs about five more busy processes than the
+server (decode worker, gateways, processor, nats-server), so one reading is that its scheduler shares a core's
+caches or hyperthread sibling with them. This tests that reading: pin, measure, undo, measure, in one lease.
+
+    python3 scripts/isolate_schedulers.py            # pin: each scheduler to one core, its siblings left idle
+    python3 scripts/isolate_schedulers.py --undo     # every process back on every CPU
+    python3 scripts/isolate_schedulers.py --dry-run  # print the plan only
+
+Processes started later take their parent's CPUs: start the load client and anything else on the others, e.g.
+`taskset -c "$(python3 scripts/isolate_schedulers.py --others)" bash scripts/gpu_goals.sh start 2`.
+
+Schedulers are found by their process title (`sglang::scheduler`). Cores are read from
+/sys/devices/system/cpu/cpu*/topology/thread_siblings_list; the first schedulers get the highest-numbered cores,
+away from where the kernel places work first. Every thread of every other process (kernel threads excepted) is
+allowed everything else. Linux only; needs the right to set other processes' affinity (root on the GPU machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+SCHEDULER_TITLE = "sglang::scheduler"
+
+
+def physical_cores() -> list[list[int]]:
+    """Each physical core's logical CPUs, sorted, one list per core (hyperthread siblings together)."""
+    cores: set[tuple[int, ...]] = set()
+    for cpu in os.sched_getaffinity(0) | set(range(os.cpu_count() or 1)):
+        siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+        cores.add(tuple(parse_cpu_list(siblings.read_text())) if siblings.exists() else (cpu,))
+    return sorted((list(core) for core in cores), key=lambda core: core[0])
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """'0-2,8' -> [0, 1, 2, 8]"""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        low, _, high = part.partition("-")
+        cpus.extend(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def user_processes() -> dict[int, str]:
+    """pid -> command line of every process with one (kernel threads have none)."""
+    processes = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone meanwhile
+            continue
+        if command:
+            processes[int(entry.name)] = command
+    return processes
+
+
+def set_affinity(pid: int, cpus: set[int]) -> int:
+    """Every thread of `pid` to `cpus`; how many threads took it."""
+    done = 0
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+            done += 1
+        except OSError:  # a thread that ended, or one we may not move
+            continue
+    return done
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--undo", action="store_true", help="let every process run on every CPU again")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    parser.add_argument("--others", action="store_true", help="print only the CPUs left to other processes "
+                        "(a list for taskset -c), change nothing")
+    args = parser.parse_args()
+
+    cores = physical_cores()
+    every_cpu = {cpu for core in cores for cpu in core}
+    processes = user_processes()
+    schedulers = sorted(pid for pid, command in processes.items() if command.startswith(SCHEDULER_TITLE))
+    if args.undo:
+        plan = {pid: every_cpu for pid in processes}
+    else:
+        if not schedulers:
+            sys.exit(f"no process titled {SCHEDULER_TITLE!r}: start the server or a stack first")
+        if len(schedulers) >= len(cores):
+            sys.exit(f"{len(schedulers)} schedulers and only {len(cores)} physical cores: nothing would be left")
+        reserved = {pid: core for pid, core in zip(schedulers, reversed(cores))}
+        others = every_cpu - {cpu for core in reserved.values() for cpu in core}
+        if args.others:
+            print(",".join(str(cpu) for cpu in sorted(others)))
+            return
+        plan = {pid: ({reserved[pid][0]} if pid in reserved else others) for pid in processes}
+        for pid, core in reserved.items():
+            print(f"scheduler {pid}: CPU {core[0]} (its core's CPUs {core} kept from every other process)")
+        print(f"every other process: CPUs {sorted(others)}")
+    if args.dry_run:
+        return
+    threads = sum(set_affinity(pid, cpus) for pid, cpus in plan.items())
+    print(f"{'undone' if args.undo else 'pinned'}: {threads} threads of {len(plan)} processes")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""How fast each SGLang engine stepped under load, read from its own log: the server's and Conveyor's side by side.
+
+aiperf sees tokens at the client; it cannot tell an engine that steps slower from a pipeline that delivers late. SGLang
+logs a line every 40 decode steps (`Decode batch, #running-req: N, ... gen throughput (token/s): T`) when it runs at
+log level info; T over N is how many steps a second each running request got, whatever the pipeline does after.
+`scripts/gpu_goals.sh wait` collects these lines (server-batches.log, conveyor-batches.log) when the engines log at
+info: `gpu_hold.sh server --log-level info`, and a stack with `"log_level": "info"` in
+CONVEYOR_SGLANG_EXTRA_SERVER_ARGS.
+
+    python scripts/sglang_steps.py server=server-batches.log conveyor=conveyor-batches.log --min-running 32
+
+Lines with fewer than --min-running requests (warm-up, a round's tail, idle gaps) are left out. Files may be
+xz-compressed (.xz). The ratios are each engine's over the first one named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import lzma
+import re
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+_DECODE = re.compile(r"Decode batch.*?#running-req: (\d+).*?gen throughput \(token/s\): ([\d.]+)")
+_PREFILL = re.compile(r"Prefill batch.*?#new-seq: (\d+), #new-token: (\d+)")
+
+
+@dataclass(frozen=True)
+class EngineSteps:
+    name: str
+    windows: int  # 40-step windows with at least --min-running requests
+    mean_running: float
+    tokens_per_s: float  # median over the windows
+    steps_per_s_per_request: float  # median of tokens/s over running requests, window by window
+    prefill_batches: int
+    sequences_per_prefill: float
+
+
+def read_lines(path: Path) -> list[str]:
+    opener = lzma.open if path.suffix == ".xz" else open
+    with opener(path, "rt", errors="replace") as lines:
+        return list(lines)
+
+
+def engine_steps(name: str, lines: list[str], min_running: int) -> EngineSteps:
+    windows = [(int(m[1]), float(m[2])) for line in lines if (m := _DECODE.search(line))]
+    loaded = [(running, rate) for running, rate in windows if running >= min_running]
+    if not loaded:
+        raise SystemExit(f"{name}: no decode line with {min_running}+ running requests (does it log at info?)")
+    prefills = [int(m[1]) for line in lines if (m := _PREFILL.search(line))]
+    return EngineSteps(
+        name=name,
+        windows=len(loaded),
+        mean_running=statistics.fmean(running for running, _ in loaded),
+        tokens_per_s=statistics.median(rate for _, rate in loaded),
+        steps_per_s_per_request=statistics.median(rate / running for running, rate in loaded),
+        prefill_batches=len(prefills),
+        sequences_per_prefill=statistics.fmean(prefills) if prefills else 0.0,
+    )
+
+
+def named_path(text: str) -> tuple[str, Path]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, Path(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("logs", nargs="+", type=named_path, help="NAME=PATH of an engine's batch lines")
+    parser.add_argument("--min-running", type=int, default=32, help="fewest running requests a window counts with")
+    args = parser.parse_args()
+
+    engines = [engine_steps(name, read_lines(path), args.min_running) for name, path in args.logs]
+    base = engines[0]
+    print(f"{'engine':<12} {'windows':>7} {'running':>8} {'tok/s':>14} {'steps/s per request':>22} "
+          f"{'prefills':>9} {'seqs/prefill':>12}")
+    for engine in engines:
+        ratio = "" if engine is base else f" {engine.tokens_per_s / base.tokens_per_s:.2f}x"
+        step_ratio = "" if engine is base else f" {engine.steps_per_s_per_request / base.steps_per_s_per_request:.2f}x"
+        print(f"{engine.name:<12} {engine.windows:>7} {engine.mean_running:>8.1f} "
+              f"{engine.tokens_per_s:>8.0f}{ratio:<6} {engine.steps_per_s_per_request:>15.1f}{step_ratio:<7} "
+              f"{engine.prefill_batches:>9} {engine.sequences_per_prefill:>12.2f}")
+
+
+if __name__ == "__main__":
+    main()

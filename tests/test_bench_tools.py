@@ -1,0 +1,57 @@
+"""The measuring tools in scripts/ that the GPU runs depend on: what they read, they read right."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # a dataclass looks its module up while it is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_top_functions_skips_torn_frames_and_counts_the_rest(tmp_path: Path) -> None:
+    # A frame py-spy read while the process wrote it: its name runs over a newline, so one line ends without a
+    # count and the next holds only the name's tail (seen on the H100 in SGLang's server process).
+    raw = tmp_path / "profile-server.txt"
+    raw.write_text(
+        "main (app.py:1);serve (app.py:9);send (http.py:40) 30\n"
+        "main (app.py:1);tokenize (tok.py:3) 10\n"
+        'main (app.py:1);spaces_between_special_tokens (smol","choices":[{"delta":{"content":" carpets"}}]}\n'
+        "\n"
+        "main (app.py:1);serve (app.py:12);send (http.py:41) 20\n"
+    )
+    report = _script("profile_processes").top_functions(raw, limit=3)
+    assert report["samples"] == 60
+    assert report["own"][0] == ("send (http.py)", round(50 / 60, 3))
+    assert dict(report["inclusive"])["main (app.py)"] == 1.0
+
+
+def test_cpu_lists_read_as_the_kernel_writes_them() -> None:
+    parse = _script("isolate_schedulers").parse_cpu_list
+    assert parse("0-2,8\n") == [0, 1, 2, 8]
+    assert parse("5") == [5]
+    assert parse("3,11") == [3, 11]
+
+
+def test_sglang_step_rates_are_read_from_loaded_windows_only(tmp_path: Path) -> None:
+    log = tmp_path / "batches.log"
+    log.write_text(
+        "[t] Prefill batch, #new-seq: 2, #new-token: 900, #cached-token: 0, token usage: 0.01, #running-req: 0\n"
+        "[t] Decode batch, #running-req: 4, #token: 900, token usage: 0.01, gen throughput (token/s): 800.00\n"
+        "[t] Decode batch, #running-req: 64, #token: 40000, token usage: 0.13, gen throughput (token/s): 9600.00\n"
+        "[t] Decode batch, #running-req: 60, #token: 39000, token usage: 0.13, gen throughput (token/s): 8400.00\n"
+    )
+    steps = _script("sglang_steps")
+    engine = steps.engine_steps("server", steps.read_lines(log), min_running=32)
+    assert engine.windows == 2
+    assert engine.mean_running == 62.0
+    assert engine.tokens_per_s == 9000.0
+    assert engine.steps_per_s_per_request == 145.0  # median of 150 and 140
+    assert (engine.prefill_batches, engine.sequences_per_prefill) == (1, 2.0)
