@@ -1,7 +1,8 @@
 """What relaying SGLang's KV events costs the decode worker's process, per request, without SGLang or a GPU.
 
 At 64 steady streams on the H100, Conveyor's token rate read 0.84-0.91x of SGLang's own server with SGLang's KV events
-on and 1.00x with them off (docs/performance.md, twenty-first stop). The events cost in two places: SGLang records them
+on and 1.00x with them off (docs/performance.md, twenty-first stop); side by side with equal KV pools, the relay on and
+off later read 1.01x (twenty-second stop). The events cost in two places: SGLang records them
 in its scheduler, and our `KvEventRelay` decodes and translates them in the decode worker, on the loop that streams
 tokens. This measures the second. It builds the frames SGLang's `ZmqEventPublisher` sends for one request (a prompt's
 pages stored after its prefill, its output's pages chained on them when it finishes, and as many pages evicted, as
