@@ -11,8 +11,9 @@ caches or hyperthread sibling with them. This tests that reading: pin, measure, 
     python3 scripts/isolate_schedulers.py --undo     # every process back on every CPU
     python3 scripts/isolate_schedulers.py --dry-run  # print the plan only
 
-Processes started later take their parent's CPUs: start the load client and anything else on the others, e.g.
-`taskset -c "$(python3 scripts/isolate_schedulers.py --others)" bash scripts/gpu_goals.sh start 2`.
+Processes started later take their parent's CPUs: start the load client and anything else on the others with
+--run, which pins first, e.g. `python3 scripts/isolate_schedulers.py --run bash scripts/gpu_goals.sh start 2` (or
+`taskset -c "$(python3 scripts/isolate_schedulers.py --others)" COMMAND`).
 
 Schedulers are found by their process title (`sglang::scheduler`). Cores are read from
 /sys/devices/system/cpu/cpu*/topology/thread_siblings_list; the first schedulers get the highest-numbered cores,
@@ -81,6 +82,8 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     parser.add_argument("--others", action="store_true", help="print only the CPUs left to other processes "
                         "(a list for taskset -c), change nothing")
+    parser.add_argument("--run", nargs=argparse.REMAINDER, metavar="COMMAND",
+                        help="then run COMMAND on the CPUs left to other processes (with --undo: on every CPU)")
     args = parser.parse_args()
 
     cores = physical_cores()
@@ -106,7 +109,10 @@ def main() -> None:
     if args.dry_run:
         return
     threads = sum(set_affinity(pid, cpus) for pid, cpus in plan.items())
-    print(f"{'undone' if args.undo else 'pinned'}: {threads} threads of {len(plan)} processes")
+    print(f"{'undone' if args.undo else 'pinned'}: {threads} threads of {len(plan)} processes", flush=True)
+    if args.run:
+        os.sched_setaffinity(0, every_cpu if args.undo else others)
+        os.execvp(args.run[0], args.run)
 
 
 if __name__ == "__main__":
