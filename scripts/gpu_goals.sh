@@ -69,6 +69,8 @@ case "${1:-}" in
         rm -rf "$dir" && mkdir -p "$dir"
         # Written here, not by the run: a `wait` right after `start` must find the run it waits for.
         echo "[gpu-goals $(date +%T)] started: ${GOALS_STEPS:-all steps}" > "$dir/progress.log"
+        # SGLang stamps its lines with the local time: `wait` keeps the batch lines of this run only.
+        date '+%Y-%m-%d %H:%M:%S' > "$dir/started-at"
         # GOALS_* go along in the environment.
         (setsid nohup bash "$0" run "${2:-3}" > "$dir/run.log" 2>&1 < /dev/null &)
         echo "[gpu-goals] started; progress in $dir/progress.log"
@@ -96,9 +98,12 @@ case "${1:-}" in
         cp "$dir/aiperf/results.json" "$out/aiperf-results.json" 2>/dev/null || true
         # SGLang's batch lines, where an engine logs at info (the server: `gpu_hold.sh server --log-level info`; a
         # stack: CONVEYOR_SGLANG_EXTRA_SERVER_ARGS='{"log_level": "info"}'): each engine's steps, round by round.
-        grep -h 'Decode batch\|Prefill batch' /tmp/sglang-server.log > "$out/server-batches.log" 2>/dev/null || true
-        grep -h 'Decode batch\|Prefill batch' /tmp/a/bench-vs-sglang-conveyor/*.log > "$out/conveyor-batches.log" \
-            2>/dev/null || true
+        since=$(cat "$dir/started-at" 2>/dev/null || echo 0)
+        this_run() {  # this_run FILE...: the batch lines stamped at or after this run's start
+            grep -h 'Decode batch\|Prefill batch' "$@" 2>/dev/null | awk -v since="$since" 'substr($0, 2, 19) >= since'
+        }
+        this_run /tmp/sglang-server.log > "$out/server-batches.log" || true
+        this_run /tmp/a/bench-vs-sglang-conveyor/*.log > "$out/conveyor-batches.log" || true
         if [ -s "$out/server-batches.log" ] && [ -s "$out/conveyor-batches.log" ]; then
             # How fast each engine itself stepped, apart from what the pipeline does with its tokens.
             python3 scripts/sglang_steps.py server="$out/server-batches.log" conveyor="$out/conveyor-batches.log" \
