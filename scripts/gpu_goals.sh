@@ -110,6 +110,12 @@ case "${1:-}" in
                 --min-running 32 > "$out/engine-steps.txt" 2>&1 || true
             cat "$out/engine-steps.txt"
         fi
+        if grep -q "server_args=ServerArgs(" /tmp/sglang-server.log 2>/dev/null; then
+            # The two engines' settings, where they differ (each logs them at start when at info).
+            python3 scripts/sglang_args_diff.py /tmp/sglang-server.log /tmp/a/bench-vs-sglang-conveyor/decode.log \
+                > "$out/engine-args-diff.txt" 2>&1 || true
+            cat "$out/engine-args-diff.txt"
+        fi
         cat "$dir/progress.log"
         if [ -f "$dir/done" ]; then echo "[gpu-goals] done"; else echo "[gpu-goals] still running"; fi
         ;;
