@@ -55,3 +55,16 @@ def test_sglang_step_rates_are_read_from_loaded_windows_only(tmp_path: Path) -> 
     assert engine.tokens_per_s == 9000.0
     assert engine.steps_per_s_per_request == 145.0  # median of 150 and 140
     assert (engine.prefill_batches, engine.sequences_per_prefill) == (1, 2.0)
+
+
+def test_sglang_settings_are_read_field_by_field_from_the_logged_line(tmp_path: Path) -> None:
+    log = tmp_path / "sglang.log"
+    log.write_text(
+        "[2026-11-25 17:01:00] starting\n"
+        "[2026-11-25 17:01:01] server_args=ServerArgs(model_path='.gpu/smol', port=30000, page_size=16, "
+        "json_model_override_args='{\"a\": 1, \"b\": 2}', kv_events_config=None, stream_interval=1)\n"
+    )
+    fields = _script("sglang_args_diff").server_args(log)
+    assert fields == {"model_path": "'.gpu/smol'", "port": "30000", "page_size": "16",
+                      "json_model_override_args": "'{\"a\": 1, \"b\": 2}'", "kv_events_config": "None",
+                      "stream_interval": "1"}
