@@ -16,8 +16,9 @@ Processes started later take their parent's CPUs: start the load client and anyt
 `taskset -c "$(python3 scripts/isolate_schedulers.py --others)" COMMAND`).
 
 Schedulers are found by their process title (`sglang::scheduler`). Cores are read from
-/sys/devices/system/cpu/cpu*/topology/thread_siblings_list; the first schedulers get the highest-numbered cores,
-away from where the kernel places work first. Every thread of every other process (kernel threads excepted) is
+/sys/devices/system/cpu/cpu*/topology/thread_siblings_list; schedulers get cores on the GPU's NUMA node first (where
+nvidia-smi and sysfs tell it), the highest-numbered first, away from where the kernel places work first. The
+topology it found is printed with the plan, so a run's output records it. Every thread of every other process (kernel threads excepted) is
 allowed everything else. Linux only; needs the right to set other processes' affinity (root on the GPU machine).
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -38,6 +40,32 @@ def physical_cores() -> list[list[int]]:
         siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
         cores.add(tuple(parse_cpu_list(siblings.read_text())) if siblings.exists() else (cpu,))
     return sorted((list(core) for core in cores), key=lambda core: core[0])
+
+
+def cpu_node(cpu: int) -> int:
+    """The NUMA node a logical CPU belongs to (0 where the kernel shows none)."""
+    nodes = list(Path(f"/sys/devices/system/cpu/cpu{cpu}").glob("node[0-9]*"))
+    return int(nodes[0].name.removeprefix("node")) if nodes else 0
+
+
+def gpu_node() -> int | None:
+    """The NUMA node of the first GPU's PCI device, where nvidia-smi and the kernel say (None: unknown)."""
+    try:
+        bus_id = subprocess.run(["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader"], capture_output=True,
+                                text=True, timeout=30, check=True).stdout.split()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+    # nvidia-smi writes an 8-digit PCI domain ("00000000:18:00.0"); sysfs a 4-digit one.
+    domain, _, rest = bus_id.lower().partition(":")
+    node_file = Path(f"/sys/bus/pci/devices/{domain[-4:]}:{rest}/numa_node")
+    node = int(node_file.read_text()) if node_file.exists() else -1
+    return node if node >= 0 else None
+
+
+def reservation_order(cores: list[list[int]], node: int | None) -> list[list[int]]:
+    """Cores to give schedulers, best first: on the GPU's NUMA node (its launches and copies cross no socket), then
+    the highest-numbered, away from where the kernel places work first."""
+    return sorted(cores, key=lambda core: (node is not None and cpu_node(core[0]) != node, -core[0]))
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -97,7 +125,12 @@ def main() -> None:
             sys.exit(f"no process titled {SCHEDULER_TITLE!r}: start the server or a stack first")
         if len(schedulers) >= len(cores):
             sys.exit(f"{len(schedulers)} schedulers and only {len(cores)} physical cores: nothing would be left")
-        reserved = {pid: core for pid, core in zip(schedulers, reversed(cores))}
+        node = gpu_node()
+        if not args.others:
+            nodes = sorted({cpu_node(cpu) for cpu in every_cpu})
+            print(f"{len(every_cpu)} CPUs in {len(cores)} cores, NUMA nodes {nodes}, the GPU on node "
+                  f"{'unknown' if node is None else node}")
+        reserved = {pid: core for pid, core in zip(schedulers, reservation_order(cores, node))}
         others = every_cpu - {cpu for core in reserved.values() for cpu in core}
         if args.others:
             print(",".join(str(cpu) for cpu in sorted(others)))

@@ -40,6 +40,11 @@ def test_cpu_lists_read_as_the_kernel_writes_them() -> None:
     assert parse("3,11") == [3, 11]
 
 
+def test_schedulers_get_the_highest_cores_first_where_the_gpu_node_is_unknown() -> None:
+    order = _script("isolate_schedulers").reservation_order([[0, 8], [1, 9], [2, 10]], None)
+    assert order == [[2, 10], [1, 9], [0, 8]]
+
+
 def test_sglang_step_rates_are_read_from_loaded_windows_only(tmp_path: Path) -> None:
     log = tmp_path / "batches.log"
     log.write_text(
