@@ -104,10 +104,14 @@ case "${1:-}" in
         }
         this_run /tmp/sglang-server.log > "$out/server-batches.log" || true
         this_run /tmp/a/bench-vs-sglang-conveyor/*.log > "$out/conveyor-batches.log" || true
+        engines=(server="$out/server-batches.log" conveyor="$out/conveyor-batches.log")
+        if [ -d /tmp/b/bench-vs-sglang-conveyor ]; then  # stack b, when held (GOALS_ALSO=b=...)
+            this_run /tmp/b/bench-vs-sglang-conveyor/*.log > "$out/b-batches.log" || true
+            [ -s "$out/b-batches.log" ] && engines+=(b="$out/b-batches.log")
+        fi
         if [ -s "$out/server-batches.log" ] && [ -s "$out/conveyor-batches.log" ]; then
             # How fast each engine itself stepped, apart from what the pipeline does with its tokens.
-            python3 scripts/sglang_steps.py server="$out/server-batches.log" conveyor="$out/conveyor-batches.log" \
-                --min-running 32 > "$out/engine-steps.txt" 2>&1 || true
+            python3 scripts/sglang_steps.py "${engines[@]}" --min-running 32 > "$out/engine-steps.txt" 2>&1 || true
             cat "$out/engine-steps.txt"
         fi
         if grep -q "server_args=ServerArgs(" /tmp/sglang-server.log 2>/dev/null; then
