@@ -96,8 +96,8 @@ case "${1:-}" in
         mkdir -p "$out"
         cp "$dir"/*.log "$out"/ 2>/dev/null || true
         cp "$dir/aiperf/results.json" "$out/aiperf-results.json" 2>/dev/null || true
-        # SGLang's batch lines, where an engine logs at info (the server: `gpu_hold.sh server --log-level info`; a
-        # stack: CONVEYOR_SGLANG_EXTRA_SERVER_ARGS='{"log_level": "info"}'): each engine's steps, round by round.
+        # SGLang's batch lines, where an engine logs at info (every engine gpu_hold.sh starts does): each engine's
+        # steps, round by round.
         since=$(cat "$dir/started-at" 2>/dev/null || echo 0)
         this_run() {  # this_run FILE...: the batch lines stamped at or after this run's start
             grep -h 'Decode batch\|Prefill batch' "$@" 2>/dev/null | awk -v since="$since" 'substr($0, 2, 19) >= since'

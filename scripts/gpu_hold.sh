@@ -3,7 +3,7 @@
 # benchmarks (docs/gpu.md, "Several calls on one warm stack"). Each command returns once its part answers.
 #
 #   bash scripts/gpu_hold.sh server [ARG...]   SGLang's own server on :30000 (128 running requests, page 16); ARGs go
-#                                              to launch_server after ours, e.g. --log-level info
+#                                              to launch_server after ours, e.g. --enable-mixed-chunk
 #   bash scripts/gpu_hold.sh stack a [VAR=V]   a Conveyor stack: gateway :8000, metrics :9101 (decode :9102), 40% of the GPU
 #   bash scripts/gpu_hold.sh stack b [VAR=V]   a second one: gateway :8001, metrics :9111 (decode :9112), NATS :4223, 50%
 #   bash scripts/gpu_hold.sh stop a|b          stop that stack and wait until it has exited (to start it again with
@@ -13,8 +13,12 @@
 # this script's own environment goes to the decode worker's command line, e.g. DECODE_ARGS='--migration-limit 0';
 # GATEWAY_WORKERS=N starts N gateway processes on the stack's port (`conveyor gateway --workers N`).
 # Every SGLang here sleeps while idle (--sleep-on-idle; a stack: sleep_on_idle in CONVEYOR_SGLANG_EXTRA_SERVER_ARGS,
-# which a stack's own VAR=V of that name replaces): an idle SGLang scheduler otherwise spins a core at 100%, so the
+# which a stack's own VAR=V of that name replaces, pool and log level included): an idle SGLang scheduler otherwise spins a core at 100%, so the
 # system not being measured competed with the one that was (docs/performance.md, eighteenth stop).
+# Every SGLang here also gets the same KV pool, POOL_TOKENS tokens (default 600000; 300000 fits the server and both
+# stacks), and logs at info: left to size its own pool, the server started first took 1.27M tokens and a stack beside
+# it about a tenth, so only the stack evicted (docs/performance.md, twenty-second stop); at info each engine logs its
+# batches, from which scripts/sglang_steps.py reads its own step rate (`gpu_goals.sh wait` does).
 # Start the stacks one after the other: SGLang sizes its pool from the memory it finds free. Logs: /tmp/sglang-server.log,
 # /tmp/conveyor-<a|b>.log and /tmp/<a|b>/bench-vs-sglang-conveyor/. The server carries .gpu/sglang-site.tar.xz,
 # .gpu/sglang-server.tar.xz and .gpu/smol; a stack .gpu/conveyor-deps.tar.xz, .gpu/bin and .gpu/smol (one call each:
@@ -22,6 +26,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MAX_RUNNING=128
+POOL_TOKENS=${POOL_TOKENS:-600000}
 
 wait_for() {  # wait_for WHAT SECONDS PIDFILE COMMAND...: poll until COMMAND succeeds; give up when PIDFILE's process exits
     local what=$1 seconds=$2 pid_file=$3; shift 3
@@ -41,7 +46,8 @@ case "${1:-}" in
         bash scripts/gpu_run.sh true  # unpack first, so the held process does not race the next call's unpacking
         (setsid nohup bash scripts/gpu_run.sh python3 -m sglang.launch_server --model-path .gpu/smol \
             --load-format dummy --attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.35 \
-            --page-size 16 --host 127.0.0.1 --port 30000 --max-running-requests "$MAX_RUNNING" --log-level warning \
+            --page-size 16 --host 127.0.0.1 --port 30000 --max-running-requests "$MAX_RUNNING" --log-level info \
+            --max-total-tokens "$POOL_TOKENS" \
             --sleep-on-idle "$@" \
             > /tmp/sglang-server.log 2>&1 < /dev/null & echo $! > /tmp/sglang-server.pid)
         wait_for "sglang server" 300 /tmp/sglang-server.pid curl -sf http://127.0.0.1:30000/v1/models || { tail -20 /tmp/sglang-server.log; exit 1; }
@@ -64,7 +70,8 @@ case "${1:-}" in
             exit 3
         fi
         mkdir -p "/tmp/$name"
-        (env CONVEYOR_SGLANG_EXTRA_SERVER_ARGS='{"sleep_on_idle": true}' "$@" setsid nohup bash scripts/gpu_run.sh \
+        engine="{\"sleep_on_idle\": true, \"max_total_tokens\": $POOL_TOKENS, \"log_level\": \"info\"}"
+        (env CONVEYOR_SGLANG_EXTRA_SERVER_ARGS="$engine" "$@" setsid nohup bash scripts/gpu_run.sh \
             python3 scripts/bench_vs_sglang.py conveyor --model .gpu/smol --max-running-requests "$MAX_RUNNING" \
             "${options[@]}" > "/tmp/conveyor-$name.log" 2>&1 < /dev/null & echo $! > "/tmp/conveyor-$name.pid")
         wait_for "conveyor stack $name" 300 "/tmp/conveyor-$name.pid" grep -q "ready at" "/tmp/conveyor-$name.log" \

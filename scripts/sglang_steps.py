@@ -4,8 +4,8 @@ aiperf sees tokens at the client; it cannot tell an engine that steps slower fro
 logs a line every 40 decode steps (`Decode batch, #running-req: N, ... gen throughput (token/s): T`) when it runs at
 log level info; T over N is how many steps a second each running request got, whatever the pipeline does after.
 `scripts/gpu_goals.sh wait` collects these lines (server-batches.log, conveyor-batches.log) when the engines log at
-info: `gpu_hold.sh server --log-level info`, and a stack with `"log_level": "info"` in
-CONVEYOR_SGLANG_EXTRA_SERVER_ARGS.
+info, as every engine `gpu_hold.sh` starts does (elsewhere: `--log-level info` for the server, `"log_level": "info"`
+in a stack's CONVEYOR_SGLANG_EXTRA_SERVER_ARGS).
 
     python scripts/sglang_steps.py server=server-batches.log conveyor=conveyor-batches.log --min-running 32
 
