@@ -1,4 +1,4 @@
-"""Give each SGLang scheduler process a core of its own, and keep every other process off those cores (or undo it).
+"""Give each SGLang scheduler process CPUs of its own, and keep every other process off them (or undo it).
 
 On the H100 machine both SGLang schedulers (the server's and the one inside Conveyor's decode worker) sit at 100% of a
 core: with a small model their Python is what caps the token rate. At 64 streams and equal batch sizes, Conveyor's
@@ -7,7 +7,7 @@ stop), with the same profile inside the scheduler. Conveyor's stack runs about f
 server (decode worker, gateways, processor, nats-server), so one reading is that its scheduler shares a core's
 caches or hyperthread sibling with them. This tests that reading: pin, measure, undo, measure, in one lease.
 
-    python3 scripts/isolate_schedulers.py            # pin: each scheduler to one core, its siblings left idle
+    python3 scripts/isolate_schedulers.py            # pin: each scheduler to 2 CPUs of its own (whole cores)
     python3 scripts/isolate_schedulers.py --undo     # every process back on every CPU
     python3 scripts/isolate_schedulers.py --dry-run  # print the plan only
 
@@ -18,8 +18,8 @@ Processes started later take their parent's CPUs: start the load client and anyt
 Schedulers are found by their process title (`sglang::scheduler`). Cores are read from
 /sys/devices/system/cpu/cpu*/topology/thread_siblings_list; schedulers get cores on the GPU's NUMA node first (where
 nvidia-smi and sysfs tell it), the highest-numbered first, away from where the kernel places work first. The
-topology it found is printed with the plan, so a run's output records it. Every thread of every other process (kernel threads excepted) is
-allowed everything else. Linux only; needs the right to set other processes' affinity (root on the GPU machine).
+topology it found is printed with the plan, so a run's output records it. Every thread of every other process
+(kernel threads excepted) is allowed everything else. Linux only; needs the right to set other processes' affinity (root on the GPU machine).
 """
 
 from __future__ import annotations
@@ -68,6 +68,22 @@ def reservation_order(cores: list[list[int]], node: int | None) -> list[list[int
     return sorted(cores, key=lambda core: (node is not None and cpu_node(core[0]) != node, -core[0]))
 
 
+def reserve(schedulers: list[int], cores: list[list[int]], cpus_each: int) -> dict[int, list[int]]:
+    """Whole cores for each scheduler, in `cores`' order, until it has at least `cpus_each` CPUs: its main loop and
+    the threads beside it (a single CPU would put them on one another's time, as trace_hops.py's --pin did)."""
+    reserved: dict[int, list[int]] = {}
+    free = iter(cores)
+    for pid in schedulers:
+        cpus: list[int] = []
+        while len(cpus) < cpus_each:
+            core = next(free, None)
+            if core is None:
+                raise ValueError(f"{len(schedulers)} schedulers of {cpus_each} CPUs each do not fit {len(cores)} cores")
+            cpus.extend(core)
+        reserved[pid] = sorted(cpus)
+    return reserved
+
+
 def parse_cpu_list(text: str) -> list[int]:
     """'0-2,8' -> [0, 1, 2, 8]"""
     cpus: list[int] = []
@@ -110,6 +126,8 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     parser.add_argument("--others", action="store_true", help="print only the CPUs left to other processes "
                         "(a list for taskset -c), change nothing")
+    parser.add_argument("--cpus-per-scheduler", type=int, default=2, help="CPUs each scheduler gets, in whole cores "
+                        "(default 2: its loop and the threads beside it)")
     parser.add_argument("--run", nargs=argparse.REMAINDER, metavar="COMMAND",
                         help="then run COMMAND on the CPUs left to other processes (with --undo: on every CPU)")
     args = parser.parse_args()
@@ -123,21 +141,24 @@ def main() -> None:
     else:
         if not schedulers:
             sys.exit(f"no process titled {SCHEDULER_TITLE!r}: start the server or a stack first")
-        if len(schedulers) >= len(cores):
-            sys.exit(f"{len(schedulers)} schedulers and only {len(cores)} physical cores: nothing would be left")
         node = gpu_node()
         if not args.others:
             nodes = sorted({cpu_node(cpu) for cpu in every_cpu})
             print(f"{len(every_cpu)} CPUs in {len(cores)} cores, NUMA nodes {nodes}, the GPU on node "
                   f"{'unknown' if node is None else node}")
-        reserved = {pid: core for pid, core in zip(schedulers, reservation_order(cores, node))}
-        others = every_cpu - {cpu for core in reserved.values() for cpu in core}
+        try:
+            reserved = reserve(schedulers, reservation_order(cores, node), args.cpus_per_scheduler)
+        except ValueError as error:
+            sys.exit(str(error))
+        others = every_cpu - {cpu for cpus in reserved.values() for cpu in cpus}
+        if not others:
+            sys.exit("the schedulers would take every CPU: nothing would be left for the rest")
         if args.others:
             print(",".join(str(cpu) for cpu in sorted(others)))
             return
-        plan = {pid: ({reserved[pid][0]} if pid in reserved else others) for pid in processes}
-        for pid, core in reserved.items():
-            print(f"scheduler {pid}: CPU {core[0]} (its core's CPUs {core} kept from every other process)")
+        plan = {pid: set(reserved.get(pid, others)) for pid in processes}
+        for pid, cpus in reserved.items():
+            print(f"scheduler {pid}: CPUs {cpus}, kept from every other process")
         print(f"every other process: CPUs {sorted(others)}")
     if args.dry_run:
         return

@@ -19,8 +19,8 @@ from pathlib import Path
 
 _FIELD = re.compile(r"(?:ServerArgs\(|, )([a-z_][a-z0-9_]*)=")
 # Different in any two engines on one machine, and not a reason for a different speed.
-_EXPECTED = re.compile(r"port|host|seed|_path$|^model_path$|tokenizer_path|served_model_name|endpoint|url|dist_init_addr|"
-                       r"file_storage|log_level|mem_fraction_static")
+_EXPECTED = re.compile(r"port|host|seed|_path$|^model_path$|tokenizer_path|served_model_name|endpoint|url|"
+                       r"dist_init_addr|file_storage|log_level|mem_fraction_static")
 
 
 def server_args(log: Path) -> dict[str, str]:

@@ -4,6 +4,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
@@ -43,6 +45,16 @@ def test_cpu_lists_read_as_the_kernel_writes_them() -> None:
 def test_schedulers_get_the_highest_cores_first_where_the_gpu_node_is_unknown() -> None:
     order = _script("isolate_schedulers").reservation_order([[0, 8], [1, 9], [2, 10]], None)
     assert order == [[2, 10], [1, 9], [0, 8]]
+
+
+def test_each_scheduler_gets_whole_cores_up_to_its_cpus() -> None:
+    reserve = _script("isolate_schedulers").reserve
+    # Hyperthreaded: one core each is two CPUs.
+    assert reserve([11, 12], [[3, 7], [2, 6], [1, 5]], cpus_each=2) == {11: [3, 7], 12: [2, 6]}
+    # One thread per core: two cores each.
+    assert reserve([11, 12], [[5], [4], [3], [2], [1]], cpus_each=2) == {11: [4, 5], 12: [2, 3]}
+    with pytest.raises(ValueError):
+        reserve([11, 12], [[1], [0]], cpus_each=2)
 
 
 def test_sglang_step_rates_are_read_from_loaded_windows_only(tmp_path: Path) -> None:
