@@ -19,7 +19,8 @@ Schedulers are found by their process title (`sglang::scheduler`). Cores are rea
 /sys/devices/system/cpu/cpu*/topology/thread_siblings_list; schedulers get cores on the GPU's NUMA node first (where
 nvidia-smi and sysfs tell it), the highest-numbered first, away from where the kernel places work first. The
 topology it found is printed with the plan, so a run's output records it. Every thread of every other process
-(kernel threads excepted) is allowed everything else. Linux only; needs the right to set other processes' affinity (root on the GPU machine).
+(kernel threads excepted) is allowed everything else. Linux only; needs the right to set other processes' affinity
+(root on the GPU machine).
 """
 
 from __future__ import annotations
