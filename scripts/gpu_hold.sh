@@ -13,8 +13,9 @@
 # this script's own environment goes to the decode worker's command line, e.g. DECODE_ARGS='--migration-limit 0';
 # GATEWAY_WORKERS=N starts N gateway processes on the stack's port (`conveyor gateway --workers N`).
 # Every SGLang here sleeps while idle (--sleep-on-idle; a stack: sleep_on_idle in CONVEYOR_SGLANG_EXTRA_SERVER_ARGS,
-# which a stack's own VAR=V of that name replaces, pool and log level included): an idle SGLang scheduler otherwise spins a core at 100%, so the
-# system not being measured competed with the one that was (docs/performance.md, eighteenth stop).
+# which a stack's own VAR=V of that name replaces, pool and log level included): an idle SGLang scheduler otherwise
+# spins a core at 100%, so the system not being measured competed with the one that was (docs/performance.md,
+# eighteenth stop).
 # Every SGLang here also gets the same KV pool, POOL_TOKENS tokens (default 600000; 300000 fits the server and both
 # stacks), and logs at info: left to size its own pool, the server started first took 1.27M tokens and a stack beside
 # it about a tenth, so only the stack evicted (docs/performance.md, twenty-second stop); at info each engine logs its
