@@ -10,7 +10,7 @@
 # target gets one aiperf warm-up run first (the first run on a fresh stack is slower; WARMUP=0 skips it). The warm-up
 # sends WARMUP_REQUESTS_PER_STREAM requests per stream (default 2), the profiled run PROFILE_REQUESTS_PER_STREAM (8):
 # 16 for the warm-up fills SGLang's cache at 64 streams, so that the profiled run evicts as a long steady load does
-# (where SGLang's KV events cost the most: docs/performance.md, twenty-first stop). Per target:
+# (where SGLang records the most KV events: docs/performance.md, twenty-first and twenty-second stops). Per target:
 # OUT_DIR/prof-TARGET.json, TARGET-profiles.tgz (py-spy's collapsed stacks, one file per process) and
 # aiperf-TARGET.log: six files in all, under what a device call's $OUT brings back.
 set -euo pipefail

@@ -37,7 +37,7 @@ SCHEDULER_TITLE = "sglang::scheduler"
 def physical_cores() -> list[list[int]]:
     """Each physical core's logical CPUs, sorted, one list per core (hyperthread siblings together)."""
     cores: set[tuple[int, ...]] = set()
-    for cpu in os.sched_getaffinity(0) | set(range(os.cpu_count() or 1)):
+    for cpu in range(os.cpu_count() or 1):
         siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
         cores.add(tuple(parse_cpu_list(siblings.read_text())) if siblings.exists() else (cpu,))
     return sorted((list(core) for core in cores), key=lambda core: core[0])

@@ -238,22 +238,16 @@ async def answers(session: Any, url: str) -> bool:
         return False
 
 
-def pin(pid: int, cores: set[int]) -> None:
-    """Keep every thread of a process (not its children: SGLang's scheduler stays free) on these cores."""
-    for thread in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.sched_setaffinity(int(thread), cores)
-        except ProcessLookupError:
-            pass  # a thread that ended meanwhile
-
-
 def pin_each(cores: list[int], server_pid: int | None, workers: list[subprocess.Popen[bytes]]) -> None:
-    """The nats-server on two cores, then one core each: processor, decode worker, gateway, this client."""
+    """The nats-server on two cores, then one core each: processor, decode worker, gateway, this client. Every thread
+    of each process, not its children: SGLang's scheduler stays free."""
+    from isolate_schedulers import set_affinity
+
     if server_pid is not None:
-        pin(server_pid, set(cores[:2]))
+        set_affinity(server_pid, set(cores[:2]))
     for worker, core in zip(workers, cores[2:]):
-        pin(worker.pid, {core})
-    pin(os.getpid(), {cores[2 + len(workers)]})
+        set_affinity(worker.pid, {core})
+    set_affinity(os.getpid(), {cores[2 + len(workers)]})
     print(f"[trace-hops] pinned: nats-server {cores[:2]}, workers and client {cores[2:3 + len(workers)]}",
           file=sys.stderr, flush=True)
 
