@@ -2,9 +2,10 @@
 
 Both servers must already be running (docs/gpu.md: `scripts/gpu_hold.sh server`, then `stack a`). For each
 concurrency and round, `aiperf profile` streams chat completions at each URL in turn, in its own processes, with the
-same synthetic prompts (one seed per round and level, fresh per run; the order rotates from round to round). The
-prompt and output lengths follow issue 11: 128–1024 prompt tokens, 128–512 output tokens (`ignore_eos`, so every
-request runs to its length on either server). It prints each system's median round and its ratios to the first URL,
+same synthetic prompts (one seed per round and level, fresh per run; each round runs the last one's order in
+reverse, so that each system runs before and after each other one equally often). The prompt and output lengths
+follow issue 11: 128–1024 prompt tokens, 128–512 output tokens (`ignore_eos`, so every request runs to its length on
+either server). It prints each system's median round and its ratios to the first URL,
 and each round's tok/s ratio and ITL p99 beside its TTFT p50.
 
     bash scripts/gpu_run.sh python3 scripts/bench_aiperf.py --tokenizer .gpu/smol \\

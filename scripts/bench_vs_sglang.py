@@ -509,9 +509,13 @@ CONTROL_SEED_OFFSET = 50_000
 
 
 def round_order(systems: list[str], round_index: int) -> list[str]:
-    """Who runs first turns over from round to round, so that no system is always measured after the same other."""
-    shift = round_index % len(systems)
-    return systems[shift:] + systems[:shift]
+    """Each pair of rounds runs one order and then its reverse, so every system runs before and after each other
+    system equally often. A plain rotation does not: with three systems B follows A in every round, so comparing A
+    with B cannot tell their settings from their order (docs/performance.md, twenty-third stop). The order the pairs
+    start from rotates, so over 2·N rounds each system also runs first, last and in between."""
+    shift = (round_index // 2) % len(systems)
+    order = systems[shift:] + systems[:shift]
+    return order[::-1] if round_index % 2 else order
 
 
 def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:

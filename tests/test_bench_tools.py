@@ -85,3 +85,18 @@ def test_sglang_settings_are_read_field_by_field_from_the_logged_line(tmp_path: 
     assert fields == {"model_path": "'.gpu/smol'", "port": "30000", "page_size": "16",
                       "json_model_override_args": "'{\"a\": 1, \"b\": 2}'", "kv_events_config": "None",
                       "stream_interval": "1"}
+
+
+def test_rounds_in_pairs_run_every_system_before_and_after_each_other() -> None:
+    round_order = _script("bench_vs_sglang").round_order
+    systems = ["sglang", "conveyor", "b"]
+    orders = [round_order(systems, index) for index in range(6)]
+    assert orders[0] == systems  # the first round runs them as named
+    assert all(sorted(order) == sorted(systems) for order in orders)
+    for first, second in zip(orders[0::2], orders[1::2]):
+        for a in systems:
+            for b in systems:
+                if a != b:  # before in one round of the pair, after in the other
+                    assert (first.index(a) < first.index(b)) != (second.index(a) < second.index(b))
+    assert len({tuple(order) for order in orders}) == 6  # 2·N rounds of three: every order once
+    assert [round_order(["x", "y"], index) for index in range(2)] == [["x", "y"], ["y", "x"]]
