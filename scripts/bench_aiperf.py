@@ -130,7 +130,8 @@ def main() -> None:
     parser.add_argument("--model-name", default=None,
                         help="the model name both servers answer to (default: the tokenizer folder's path)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="rounds per level; even, so that each order runs as often as its reverse")
     parser.add_argument("--requests-per-stream", type=int, default=4,
                         help="requests per concurrent stream in a run (default 4)")
     parser.add_argument("--min-requests", type=int, default=16)

@@ -693,7 +693,8 @@ def main() -> None:
     parser.add_argument("mode", nargs="?", choices=["bench", "nats-client", "bench-once", "serving-loop", "conveyor"], default="bench")
     parser.add_argument("--model", required=True, help="Model directory (config + tokenizer; weights are dummy).")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 128, 256])
-    parser.add_argument("--rounds", type=int, default=2, help="Rounds per concurrency; the median is kept.")
+    parser.add_argument("--rounds", type=int, default=2, help=(
+        "Rounds per concurrency; the median is kept. Even, so that each order runs as often as its reverse."))
     parser.add_argument("--input-len", type=int, default=1024, help="Longest prompt, in tokens.")
     parser.add_argument("--output-len", type=int, default=512, help="Most new tokens per request.")
     parser.add_argument("--range-ratio", type=float, default=0.25,
