@@ -115,6 +115,13 @@ def print_level(concurrency: int, rounds: dict[str, list[dict[str, float]]]) -> 
         by_round = ", ".join(f"{mine['tok/s'] / theirs['tok/s']:.2f}×"
                              for mine, theirs in zip(rounds[name], rounds[reference]))
         print(f"{name:<10} | tok/s ratio by round: {by_round}")
+    # Two settings of our own measured beside the server (stack a and stack b): their ratio to each other, round by
+    # round, is what the comparison is about.
+    for index, name in enumerate(names[1:], start=1):
+        for other in names[index + 1:]:
+            by_round = ", ".join(f"{mine['tok/s'] / theirs['tok/s']:.2f}"
+                                 for mine, theirs in zip(rounds[name], rounds[other]))
+            print(f"{name} ÷ {other} | tok/s by round: {by_round}")
     for name in names:
         tails = ", ".join(f"{row['ITL p99']:.1f} / {row['gap p99']:.1f} (TTFT {row['TTFT p50']:.0f})"
                           for row in rounds[name])
