@@ -118,6 +118,11 @@ case "${1:-}" in
             # The two engines' settings, where they differ (each logs them at start when at info).
             python3 scripts/sglang_args_diff.py /tmp/sglang-server.log /tmp/a/bench-vs-sglang-conveyor/decode.log \
                 > "$out/engine-args-diff.txt" 2>&1 || true
+            if [ -f /tmp/b/bench-vs-sglang-conveyor/decode.log ]; then  # stack b's against stack a's
+                { echo "stack a | stack b:"; python3 scripts/sglang_args_diff.py \
+                    /tmp/a/bench-vs-sglang-conveyor/decode.log /tmp/b/bench-vs-sglang-conveyor/decode.log
+                } >> "$out/engine-args-diff.txt" 2>&1 || true
+            fi
             cat "$out/engine-args-diff.txt"
         fi
         cat "$dir/progress.log"
