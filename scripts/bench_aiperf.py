@@ -111,17 +111,16 @@ def print_level(concurrency: int, rounds: dict[str, list[dict[str, float]]]) -> 
             ratio = "" if name == reference else f" {value / max(medians[reference][key], 1e-9):.2f}×"
             cells.append(f"{value:>9.1f}{ratio:>7}")
         print(f"{name:<10} | " + " | ".join(cells))
+    def tok_ratios(name: str, other: str) -> list[float]:
+        return [mine["tok/s"] / theirs["tok/s"] for mine, theirs in zip(rounds[name], rounds[other])]
+
     for name in names[1:]:
-        by_round = ", ".join(f"{mine['tok/s'] / theirs['tok/s']:.2f}×"
-                             for mine, theirs in zip(rounds[name], rounds[reference]))
-        print(f"{name:<10} | tok/s ratio by round: {by_round}")
+        print(f"{name:<10} | tok/s ratio by round: {', '.join(f'{r:.2f}×' for r in tok_ratios(name, reference))}")
     # Two settings of our own measured beside the server (stack a and stack b): their ratio to each other, round by
     # round, is what the comparison is about.
     for index, name in enumerate(names[1:], start=1):
         for other in names[index + 1:]:
-            by_round = ", ".join(f"{mine['tok/s'] / theirs['tok/s']:.2f}"
-                                 for mine, theirs in zip(rounds[name], rounds[other]))
-            print(f"{name} ÷ {other} | tok/s by round: {by_round}")
+            print(f"{name} ÷ {other} | tok/s by round: {', '.join(f'{r:.2f}' for r in tok_ratios(name, other))}")
     for name in names:
         tails = ", ".join(f"{row['ITL p99']:.1f} / {row['gap p99']:.1f} (TTFT {row['TTFT p50']:.0f})"
                           for row in rounds[name])
