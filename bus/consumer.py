@@ -275,6 +275,11 @@ class WorkConsumer(Generic[TaskT]):
                 continue
             asked = min(free_slots, batch)
             msgs = await self._fetch(puller, asked)
+            if self._stopping.is_set():
+                # The pull outlived the stop's start (an idle worker's waits up to fetch_timeout_s): what it brought
+                # goes back to the queue at once, for another replica, rather than starting here.
+                await asyncio.gather(*(_quietly(msg.nak()) for msg in msgs))
+                break
             for msg in msgs:
                 self._spawn(msg)
             batch = self._options.fetch_batch if len(msgs) == asked else 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import msgpack
 import pytest
@@ -284,6 +285,28 @@ async def test_stopping_worker_hands_unfinished_work_to_another_replica(bus: Bus
         await first.stop(grace_s=0.1)
     async with running_consumer(bus, quick, worker_id="b"):
         await wait_until(lambda: finished_by == [("b", 2)])
+
+
+async def test_a_task_arriving_while_the_worker_stops_goes_back_to_the_queue_at_once(bus: Bus) -> None:
+    ran_on: list[tuple[str, int]] = []
+
+    async def handle_as(worker: str) -> Callable[[DecodeTask, Delivery], Awaitable[None]]:
+        async def handle(task: DecodeTask, delivery: Delivery) -> None:
+            ran_on.append((worker, delivery.num_delivered))
+        return handle
+
+    # An idle worker's pull waits up to its fetch timeout; a stop waits for it, and a task published meanwhile reaches
+    # the stopping worker, which must not run it nor leave it to the ack wait (5 s here, past the wait below).
+    options = ConsumerOptions(fetch_timeout_s=2.0)
+    async with running_consumer(bus, await handle_as("a"), options=options, worker_id="a") as first:
+        await asyncio.sleep(0.3)  # its pull is waiting
+        stopping = asyncio.create_task(first.stop(grace_s=1.0))
+        await asyncio.sleep(0.1)
+        await publish(bus, decode_task("while-stopping"))
+        await stopping
+    assert ran_on == []
+    async with running_consumer(bus, await handle_as("b"), worker_id="b"):
+        await wait_until(lambda: ran_on == [("b", 2)], timeout_s=3.0)
 
 
 async def test_trace_context_is_carried_to_the_handler(bus: Bus) -> None:
