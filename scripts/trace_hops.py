@@ -22,6 +22,10 @@ tokenizer manager dispatching the request to its scheduler, and receiving the fi
 The decode worker's SGLang gets CONVEYOR_SGLANG_* from the environment (default here: 30% of the GPU, page 16,
 asleep while idle).
 
+`--keep-warm-ms N` wakes each worker's event loop and the client's every N ms while they wait (an experiment, not a
+setting of the project): on an idle pipeline every step runs cold (scripts/bench_idle_wake.py), and this measures
+what keeping the processes awake would buy.
+
 All processes stamp `time.time()` of one machine, so their stamps compare. The wrappers cost a few microseconds a
 point; the first token's total (printed last) is a little slower than unwrapped.
 """
@@ -67,13 +71,15 @@ def points_of(engine: str) -> list[str]:
 
 # ----- in each worker process: wrap the path's functions, then run the worker ---------------------------------------
 
-def run_traced_worker(stage: str, engine: str, out_path: str, argv: list[str]) -> None:
+def run_traced_worker(stage: str, engine: str, out_path: str, argv: list[str], keep_warm_ms: float = 0.0) -> None:
     out = open(out_path, "w", buffering=1)  # noqa: SIM115 (open for the process's life)
 
     def stamp(point: str, request_id: str | None = None, at_s: float | None = None) -> None:
         out.write(json.dumps({"point": point, "request_id": request_id, "t": at_s or time.time()}) + "\n")
 
     _wrap_consumer(stage, stamp)
+    if keep_warm_ms:
+        _keep_consumer_loop_warm(keep_warm_ms)
     _wrap_socket(stage, stamp)
     _wrap_publish(stamp)
     if stage == "decode":
@@ -113,6 +119,27 @@ def _wrap_consumer(stage: str, stamp: Callable[..., None]) -> None:
 
     consumer.WorkConsumer._spawn = traced_spawn  # type: ignore[method-assign]
     consumer.WorkConsumer._run_handler = traced_run_handler  # type: ignore[method-assign]
+
+
+def _keep_consumer_loop_warm(interval_ms: float) -> None:
+    """The worker's event loop wakes every `interval_ms` while its consumer runs."""
+    from bus import consumer
+
+    run = consumer.WorkConsumer.run
+
+    async def run_awake(self: Any) -> None:
+        ticking = asyncio.create_task(tick(interval_ms))
+        try:
+            await run(self)
+        finally:
+            ticking.cancel()
+
+    consumer.WorkConsumer.run = run_awake  # type: ignore[method-assign]
+
+
+async def tick(interval_ms: float) -> None:
+    while True:
+        await asyncio.sleep(interval_ms / 1000)
 
 
 def _wrap_socket(stage: str, stamp: Callable[..., None]) -> None:
@@ -320,7 +347,8 @@ async def drive(args: argparse.Namespace, trace_dir: Path) -> tuple[dict[str, di
                "PYTHONPATH": python_path}
         workers = [subprocess.Popen([sys.executable, __file__, "--as-worker", stage, "--engine", args.engine,
                                      "--trace-file", str(trace_dir / f"{stage}.jsonl"), "--root", str(args.root),
-                                     "--", *worker_args(args)], cwd=args.root, env=env)
+                                     "--keep-warm-ms", str(args.keep_warm_ms), "--", *worker_args(args)],
+                                    cwd=args.root, env=env)
                    for stage in STAGES]
         if args.gateway_port:
             workers.append(subprocess.Popen([sys.executable, "-m", "workers.cli", "gateway", "--host", "127.0.0.1",
@@ -331,6 +359,8 @@ async def drive(args: argparse.Namespace, trace_dir: Path) -> tuple[dict[str, di
             async with (open_client(NatsSettings(urls=[server.url]), BusSettings(namespace=namespace), "hops") as client,
                         aiohttp.ClientSession() as session):
                 model = await wait_until("the workers", lambda: served_model(client), workers, args.start_timeout_s)
+                if args.keep_warm_ms:
+                    ticking = asyncio.create_task(tick(args.keep_warm_ms))  # noqa: F841 (ends with the loop)
                 if args.gateway_port:
                     health_url = f"http://127.0.0.1:{args.gateway_port}/health"
                     await wait_until("the gateway", lambda: answers(session, health_url), workers, args.start_timeout_s)
@@ -468,13 +498,16 @@ def main() -> None:
     parser.add_argument("--start-timeout-s", type=float, default=600,
                         help="how long the workers may take to be ready (default 600)")
     parser.add_argument("--root", type=Path, default=ROOT, help="the checkout whose workers run (default: this one)")
+    parser.add_argument("--keep-warm-ms", type=float, default=0.0,
+                        help="wake the workers' and the client's event loops every this many ms while idle "
+                             "(default 0: never; an experiment, see above)")
     parser.add_argument("--as-worker", choices=STAGES, help=argparse.SUPPRESS)
     parser.add_argument("--trace-file", help=argparse.SUPPRESS)
     parser.add_argument("worker_args", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.as_worker:
         sys.path.insert(0, str(args.root))
-        run_traced_worker(args.as_worker, args.engine, args.trace_file, args.worker_args)
+        run_traced_worker(args.as_worker, args.engine, args.trace_file, args.worker_args, args.keep_warm_ms)
         return
     if args.engine == "sglang" and not args.model:
         parser.error("--engine sglang needs --model")
