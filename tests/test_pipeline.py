@@ -379,6 +379,9 @@ async def test_full_queues_answer_overloaded_at_once_never_drop_silently(bus: Bu
         for i in range(3):
             await client.submit(chat(client, f"fills decode {i}"))
         await wait_until_async(lambda: _stream_full(bus, Stage.DECODE), timeout_s=20)
+        # The processor acks each request only after JetStream stored its decode task: on a loaded machine the last
+        # ack can trail the full decode queue, and the processor's own queue (3 here) would refuse the next request.
+        await wait_until_async(lambda: _stream_empty(bus, Stage.PROCESSOR), timeout_s=20)
         started = time.monotonic()
         with pytest.raises(RemoteError) as raised:
             async with await client.submit(chat(client, "refused")) as stream:
@@ -390,6 +393,11 @@ async def test_full_queues_answer_overloaded_at_once_never_drop_silently(bus: Bu
 async def _stream_full(bus: Bus, stage: Stage) -> bool:
     info = await bus.js.stream_info(bus.names.work_stream(stage))
     return info.state.messages >= 3
+
+
+async def _stream_empty(bus: Bus, stage: Stage) -> bool:
+    info = await bus.js.stream_info(bus.names.work_stream(stage))
+    return info.state.messages == 0
 
 
 async def test_a_worker_holds_no_more_tasks_than_its_engine_runs(bus: Bus) -> None:
