@@ -290,7 +290,7 @@ async def test_stopping_worker_hands_unfinished_work_to_another_replica(bus: Bus
 async def test_a_task_arriving_while_the_worker_stops_goes_back_to_the_queue_at_once(bus: Bus) -> None:
     ran_on: list[tuple[str, int]] = []
 
-    async def handle_as(worker: str) -> Callable[[DecodeTask, Delivery], Awaitable[None]]:
+    def handle_as(worker: str) -> Callable[[DecodeTask, Delivery], Awaitable[None]]:
         async def handle(task: DecodeTask, delivery: Delivery) -> None:
             ran_on.append((worker, delivery.num_delivered))
         return handle
@@ -298,14 +298,14 @@ async def test_a_task_arriving_while_the_worker_stops_goes_back_to_the_queue_at_
     # An idle worker's pull waits up to its fetch timeout; a stop waits for it, and a task published meanwhile reaches
     # the stopping worker, which must not run it nor leave it to the ack wait (5 s here, past the wait below).
     options = ConsumerOptions(fetch_timeout_s=2.0)
-    async with running_consumer(bus, await handle_as("a"), options=options, worker_id="a") as first:
+    async with running_consumer(bus, handle_as("a"), options=options, worker_id="a") as first:
         await asyncio.sleep(0.3)  # its pull is waiting
         stopping = asyncio.create_task(first.stop(grace_s=1.0))
         await asyncio.sleep(0.1)
         await publish(bus, decode_task("while-stopping"))
         await stopping
     assert ran_on == []
-    async with running_consumer(bus, await handle_as("b"), worker_id="b"):
+    async with running_consumer(bus, handle_as("b"), worker_id="b"):
         await wait_until(lambda: ran_on == [("b", 2)], timeout_s=3.0)
 
 

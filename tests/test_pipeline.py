@@ -25,7 +25,7 @@ from schemas.registry import ServingMode, Stage
 from schemas.replies import ErrorCode, FinalFrame, FinishReason
 from schemas.kv_hashing import chain_hashes
 from tests.conftest import Bus, bus_settings
-from tests.helpers import open_stream, wait_until
+from tests.helpers import open_stream, stream_len, wait_until
 from tests.pipeline_helpers import (
     MOCK,
     chat,
@@ -396,8 +396,7 @@ async def _stream_full(bus: Bus, stage: Stage) -> bool:
 
 
 async def _stream_empty(bus: Bus, stage: Stage) -> bool:
-    info = await bus.js.stream_info(bus.names.work_stream(stage))
-    return info.state.messages == 0
+    return await stream_len(bus, stage) == 0
 
 
 async def test_a_worker_holds_no_more_tasks_than_its_engine_runs(bus: Bus) -> None:
