@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import structlog
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from bus.metrics import EVENT_LOOP_LAG, GC_PAUSE
 
@@ -91,10 +93,26 @@ def _observe_gc(phase: str, info: dict[str, Any]) -> None:
         GC_PAUSE.labels(generation=str(info["generation"])).observe(time.perf_counter() - _gc_started_s)
 
 
+class LoopSettings(BaseSettings):
+    """Every process's event-loop timer, read from `CONVEYOR_LOOP_TICK_MS`."""
+
+    model_config = SettingsConfigDict(env_prefix="CONVEYOR_", frozen=True)
+
+    # How often the loop's lag is sampled, and so how long an idle process sleeps at most. An idle process wakes
+    # cold: on the H100 machine's virtual CPUs a loop step took 50 µs after 20 ms asleep, 29 µs when woken every
+    # millisecond and 4 µs back to back (scripts/bench_idle_wake.py), and a request's first token crosses dozens
+    # of such steps in the gateway and the stages. 1 keeps an idle pipeline's loops warm for ~1,000 wake-ups a
+    # second per process; docs/performance.md has what it bought.
+    loop_tick_ms: float = Field(default=100.0, gt=0, le=60_000)
+
+
 @contextlib.asynccontextmanager
-async def event_loop_lag_observed(interval_s: float = 0.1) -> AsyncIterator[None]:
-    """While open, a timer every `interval_s` records how late it fired into `conveyor_event_loop_lag_seconds`:
-    the wait of any callback that became ready meanwhile, a stream's next token included."""
+async def event_loop_lag_observed(interval_s: float | None = None) -> AsyncIterator[None]:
+    """While open, a timer every `interval_s` (default: `CONVEYOR_LOOP_TICK_MS`) records how late it fired into
+    `conveyor_event_loop_lag_seconds`: the wait of any callback that became ready meanwhile, a stream's next token
+    included."""
+    if interval_s is None:
+        interval_s = LoopSettings().loop_tick_ms / 1000
     task = asyncio.create_task(_observe_event_loop_lag(interval_s), name="event-loop-lag")
     try:
         yield

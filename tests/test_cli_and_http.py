@@ -57,6 +57,29 @@ async def test_a_blocked_event_loop_shows_in_the_lag_histogram() -> None:
     assert metric("conveyor_event_loop_lag_seconds_sum") >= 0.25
 
 
+async def test_the_loop_tick_setting_sets_how_often_an_idle_loop_wakes(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    import pytest
+    from pydantic import ValidationError
+
+    from bus.lifecycle import event_loop_lag_observed
+    from tests.helpers import metric
+
+    async def wakes_in(seconds: float) -> float:
+        before = metric("conveyor_event_loop_lag_seconds_count")
+        async with event_loop_lag_observed():
+            await asyncio.sleep(seconds)
+        return metric("conveyor_event_loop_lag_seconds_count") - before
+
+    assert await wakes_in(0.3) <= 3  # the default: every 100 ms
+    monkeypatch.setenv("CONVEYOR_LOOP_TICK_MS", "5")
+    assert await wakes_in(0.3) >= 20
+    monkeypatch.setenv("CONVEYOR_LOOP_TICK_MS", "0")
+    with pytest.raises(ValidationError, match="loop_tick_ms"):
+        await wakes_in(0.01)
+
+
 def test_smoke_command_streams_a_reply_through_an_embedded_server() -> None:
     completed = subprocess.run(
         [sys.executable, "-m", "workers.cli", "smoke", "one two three"],
