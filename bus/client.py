@@ -21,7 +21,7 @@ from bus.connection import connect
 from bus.errors import RequestIdInUse
 from bus.publish import TaskPublisher
 from bus.registry import live_workers
-from bus.replies import ReplyStream
+from bus.replies import ReplyInboxes, ReplyStream
 from bus.settings import BusSettings, NatsSettings
 from bus.streams import ensure_registry_bucket
 from bus.subjects import Names
@@ -40,9 +40,11 @@ class PipelineClient:
         self._names = names
         self._settings = settings
         self._publisher = TaskPublisher(js, names, min(settings.max_message_bytes, nc.max_payload))
+        self._inboxes = ReplyInboxes(nc)
 
     def new_inbox(self) -> str:
-        return self._nc.new_inbox()
+        """A reply inbox that `submit` reads through this client's one shared subscription."""
+        return self._inboxes.new_inbox()
 
     async def submit(self, request: ClientRequestModel, first_frame_timeout_s: float = 60.0,
                      trace: TraceContext | None = None) -> ReplyStream:
@@ -55,6 +57,7 @@ class PipelineClient:
             request.request_id,
             heartbeat_timeout_s=self._settings.heartbeat_timeout_s,
             first_frame_timeout_s=first_frame_timeout_s,
+            inboxes=self._inboxes,
         )
         await stream.__aenter__()
         try:

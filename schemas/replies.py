@@ -225,10 +225,13 @@ class AliveAnswer(WireModel):
     """A receiver's answer to a liveness probe on `{inbox}.alive` (an empty answer also means alive).
 
     `next_seq` lets a sender fill a gap: after a NATS reconnect, or when the receiver says frames after it
-    arrived (`missing`: the frame was lost, e.g. with a cluster node), it sends again every frame from there."""
+    arrived (`missing`: the frame was lost, e.g. with a cluster node), it sends again every frame from there.
+    `closed`: the client reads many inboxes through one subscription and no longer reads this one; the sender
+    stops as it does when nobody answers at all."""
 
     next_seq: int = Field(ge=0)
     missing: bool = False
+    closed: bool = False
 
 
 ReplyFrame = Annotated[

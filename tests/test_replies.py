@@ -17,7 +17,7 @@ from nats.aio.msg import Msg
 
 from bus.connection import pub_prefix, publish_frames
 from bus.errors import RemoteError, ReplyGap, ReplyStreamBroken
-from bus.replies import ReplySender
+from bus.replies import ReplyInboxes, ReplySender, ReplyStream
 from schemas.codec import decode, encode
 from schemas.replies import ErrorCode, FinalFrame, FinishReason, TokenChunk, Usage
 from tests.conftest import Bus
@@ -163,7 +163,7 @@ SENDER_SCRIPT = textwrap.dedent(
     """
     import asyncio, sys
     from bus.connection import connect
-    from bus.replies import ReplySender
+    from bus.replies import ReplyInboxes, ReplySender, ReplyStream
     from bus.settings import NatsSettings
 
     async def main() -> None:
@@ -208,6 +208,50 @@ async def test_sender_learns_that_its_client_went_away(bus: Bus) -> None:
         await stream.close()
         await asyncio.wait_for(sender.client_gone.wait(), timeout=2.0)
         assert not await sender.client_alive(timeout_s=1.0)
+
+
+async def test_a_client_reads_many_streams_through_one_subscription(bus: Bus) -> None:
+    inboxes = ReplyInboxes(bus.nc)
+    subscriptions_before = len(bus.nc._subs)  # nats-py's own count of this connection's subscriptions
+    streams = [ReplyStream(bus.nc, inboxes.new_inbox(), f"shared-{index}", inboxes=inboxes) for index in range(3)]
+    for stream in streams:
+        await stream.__aenter__()
+    assert len(bus.nc._subs) == subscriptions_before + 1
+    senders = [ReplySender(bus.nc, stream.inbox, stream.request_id) for stream in streams]
+    for token in range(5):  # interleaved: each frame must reach its own stream
+        for index, sender in enumerate(senders):
+            await sender.send_tokens([100 * index + token])
+    for sender in senders:
+        await sender.finish(FinishReason.LENGTH, Usage.of(1, 5))
+    for index, stream in enumerate(streams):
+        chunks, final = await stream.collect()
+        assert [token for chunk in chunks for token in chunk.token_ids] == [100 * index + t for t in range(5)]
+        assert isinstance(final, FinalFrame)
+        await stream.close()
+    assert len(bus.nc._subs) == subscriptions_before + 1
+
+
+async def test_a_sender_learns_its_client_went_away_when_the_stream_closes_on_a_shared_subscription(bus: Bus) -> None:
+    inboxes = ReplyInboxes(bus.nc)
+    stream = ReplyStream(bus.nc, inboxes.new_inbox(), "gone-shared", inboxes=inboxes)
+    await stream.__aenter__()
+    async with ReplySender(bus.nc, stream.inbox, "gone-shared", heartbeat_interval_s=0.2) as sender:
+        await sender.send_tokens([1])
+        assert await sender.client_alive(timeout_s=1.0)
+        await stream.close()
+        await asyncio.wait_for(sender.client_gone.wait(), timeout=2.0)
+        assert not await sender.client_alive(timeout_s=1.0)
+
+
+async def test_a_stream_whose_inbox_the_shared_subscription_does_not_cover_subscribes_itself(bus: Bus) -> None:
+    inboxes = ReplyInboxes(bus.nc)
+    stream = ReplyStream(bus.nc, bus.nc.new_inbox(), "own-inbox", inboxes=inboxes)
+    async with stream:
+        sender = ReplySender(bus.nc, stream.inbox, "own-inbox")
+        await sender.send_tokens([7])
+        await sender.finish(FinishReason.LENGTH, Usage.of(1, 1))
+        chunks, _ = await stream.collect()
+    assert [chunk.token_ids for chunk in chunks] == [[7]]
 
 
 def test_fast_chunk_encoding_matches_the_schema_encoding() -> None:
