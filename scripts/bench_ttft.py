@@ -171,14 +171,17 @@ async def run(args: argparse.Namespace) -> None:
         cycle = orders(args.targets)
         for index, (text, ids) in enumerate(prompts):
             for target in cycle[index % len(cycle)]:
+                if args.idle_s:
+                    await asyncio.sleep(args.idle_s)
                 samples[target].append(await stream_once(session, target, args.model, text, ids, num_tokens[index]))
             done = index + 1 - args.warmup
             if done > 0 and done % args.progress_every == 0:
                 print(f"[bench-ttft] {done}/{args.requests} prompts", file=sys.stderr, flush=True)
     kept = {target: streams[args.warmup:] for target, streams in samples.items()}
     tokens = (f"{args.max_tokens}" if args.min_tokens == args.max_tokens else f"{args.min_tokens}–{args.max_tokens}")
+    idle = f", {args.idle_s:g} s idle before each" if args.idle_s else ""
     print(f"TTFT at one stream, {args.requests} prompts of up to {args.prompt_tokens} tokens "
-          f"(after {args.warmup} discarded), {tokens} tokens each")
+          f"(after {args.warmup} discarded), {tokens} tokens each{idle}")
     for target, streams in kept.items():
         print(f"  {str(target):40s} {percentiles([stream.ttft_ms for stream in streams])}")
     base = args.targets[0]
@@ -211,6 +214,9 @@ def main() -> None:
     # has not, and a cached prompt's first token comes sooner.
     parser.add_argument("--seed", type=int, default=random.SystemRandom().randrange(1 << 30),
                         help="Prompt seed (default: drawn per run, so no target has the prompts cached).")
+    parser.add_argument("--idle-s", type=float, default=0.0,
+                        help="Idle time before each request (default 0: it follows the last one's end). A pipeline "
+                             "idle longer wakes colder: this separates that from the last request's length.")
     parser.add_argument("--request-timeout-s", type=float, default=60.0)
     args = parser.parse_args()
     if args.requests < 2:
