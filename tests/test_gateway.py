@@ -135,3 +135,21 @@ def test_a_decode_workers_chat_chunk_goes_out_as_the_json_the_gateway_would_buil
     sent = _Shape("chatcmpl-1", MOCK, chat=True).chunk(frame)
     # The same bytes, but for non-ASCII text, which goes out as UTF-8 instead of \u escapes (the same JSON).
     assert sent == json.dumps(built, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+async def test_a_request_after_a_quiet_spell_finds_the_gateways_model_view_fresh(bus: Bus) -> None:
+    from workers.gateway import Gateway
+
+    async with running_workers(bus, [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, mock_decode())]):
+        gateway = Gateway(client_of(bus), GatewayOptions(host="127.0.0.1", port=0))
+        refresher = asyncio.create_task(gateway.keep_ready_models_fresh(interval_s=0.1))
+        try:
+            await asyncio.sleep(1.5)  # longer than the view's age limit: before, the next request read the registry
+
+            async def no_read_on_the_request_path() -> list[object]:
+                raise AssertionError("a request waited for a registry read")
+
+            gateway._client.live_workers = no_read_on_the_request_path  # type: ignore[method-assign]
+            await gateway._require_model(MOCK)
+        finally:
+            refresher.cancel()

@@ -28,6 +28,7 @@ from tests.conftest import Bus, bus_settings
 from tests.helpers import open_stream, stream_len, wait_until
 from tests.pipeline_helpers import (
     MOCK,
+    ask_to_the_end,
     chat,
     client_of,
     completion,
@@ -266,6 +267,26 @@ async def test_a_worker_in_its_own_process_takes_its_startup_objects_out_of_the_
         runtime.request_stop()
         await asyncio.wait_for(serving, timeout=30)
         gc.unfreeze()
+
+
+async def test_a_request_after_a_quiet_spell_is_routed_without_reading_the_registry(bus: Bus) -> None:
+    from workers.processor import _REGISTRY_REFRESH_S
+
+    processor = mock_processor()
+    async with running_workers(bus, [(Stage.PROCESSOR, processor), (Stage.DECODE, mock_decode())]):
+        client = client_of(bus)
+        await ask_to_the_end(client, max_tokens=2)
+        await asyncio.sleep(1.5 * _REGISTRY_REFRESH_S)  # before, the next request read the registry on its path
+        view_age_s: list[float] = []
+        route = processor._route_generation
+
+        async def route_noting_the_view_age(*args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+            view_age_s.append(time.monotonic() - processor._cards_at_s)
+            await route(*args, **kwargs)
+
+        processor._route_generation = route_noting_the_view_age  # type: ignore[method-assign]
+        await ask_to_the_end(client, max_tokens=2)
+        assert view_age_s and view_age_s[0] < _REGISTRY_REFRESH_S
 
 
 async def test_registry_lists_ready_workers_and_forgets_them_on_shutdown(bus: Bus) -> None:

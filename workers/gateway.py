@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from bus.client import PipelineClient
 from bus.errors import RejectRequest, RemoteError, ReplyGap, ReplyStreamBroken
+from bus.lifecycle import stop_tasks
 from bus.registry import ready_models, served_adapters
 from bus.replies import ReplyStream
 from bus.tracing import TraceContext
@@ -436,6 +437,16 @@ class Gateway:
             self._ready_at_s = time.monotonic()
         return self._ready
 
+    async def keep_ready_models_fresh(self, interval_s: float = _MODELS_REFRESH_S / 2) -> None:
+        """Read the registry in the background before the view goes stale, so that no request waits for it (a
+        request after a quiet second read it on its own path: docs/performance.md, twenty-fifth stop)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self._ready_models(max_age_s=interval_s)
+            except Exception as error:  # NATS away: requests read it themselves meanwhile
+                log.debug("gateway.registry_unreadable", error=repr(error))
+
     async def _require_model(self, model: str) -> None:
         # Absent only on a fresh view: the cached one may predate the model's workers getting ready.
         if model not in await self._ready_models() and model not in await self._ready_models(max_age_s=0.0):
@@ -633,7 +644,9 @@ async def serving(client: PipelineClient, options: GatewayOptions) -> AsyncItera
     await site.start()
     server = site._server
     assert server is not None and server.sockets
+    refresher = asyncio.create_task(gateway.keep_ready_models_fresh(), name="gateway-registry-view")
     try:
         yield int(server.sockets[0].getsockname()[1])
     finally:
+        await stop_tasks([refresher])
         await runner.cleanup()
