@@ -47,6 +47,7 @@ from bus.cancel import CancelRegistry
 from bus.dead_letters import dead_letter
 from bus.errors import RejectRequest
 from bus.journal import Progress, ReplyJournal, read_progress
+from bus.lifecycle import note_work
 from bus.metrics import (
     CANCELS,
     DEAD_LETTERS,
@@ -316,6 +317,7 @@ class WorkConsumer(Generic[TaskT]):
             return []
 
     def _spawn(self, msg: Msg) -> None:
+        note_work()  # this process's loop stays warm for the next task (bus/lifecycle.py)
         task = asyncio.create_task(self._handle_guarded(msg))
         self._tasks.add(task)
         self._in_flight.inc()

@@ -1,4 +1,5 @@
-"""Stopping background tasks reliably, and child processes that never outlive their parent.
+"""Stopping background tasks reliably, child processes that never outlive their parent, and every process's
+event-loop timer (its lag, and a loop kept warm while work comes in).
 
 nats-py turns a cancellation that lands inside a request into its own TimeoutError in places, so a
 loop that catches `Exception` around NATS calls can swallow a `cancel()`. Loops here therefore stop
@@ -94,35 +95,51 @@ def _observe_gc(phase: str, info: dict[str, Any]) -> None:
 
 
 class LoopSettings(BaseSettings):
-    """Every process's event-loop timer, read from `CONVEYOR_LOOP_TICK_MS`."""
+    """Every process's event-loop timer, read from `CONVEYOR_LOOP_TICK_MS` and `CONVEYOR_STAY_WARM_S`."""
 
     model_config = SettingsConfigDict(env_prefix="CONVEYOR_", frozen=True)
 
-    # How often the loop's lag is sampled, and so how long an idle process sleeps at most. An idle process wakes
-    # cold: on the H100 machine's virtual CPUs a loop step took 50 µs after 20 ms asleep, 29 µs when woken every
-    # millisecond and 4 µs back to back (scripts/bench_idle_wake.py), and a request's first token crosses dozens
-    # of such steps in the gateway and the stages. 1 keeps an idle pipeline's loops warm for ~1,000 wake-ups a
-    # second per process; docs/performance.md has what it bought.
+    # How often an idle loop's lag is sampled, and so how long it sleeps at most.
     loop_tick_ms: float = Field(default=100.0, gt=0, le=60_000)
+    # For this long after its last piece of work (a task pulled, an HTTP request), a process's loop wakes every
+    # millisecond instead. A process asleep wakes cold: on the H100 machine's virtual CPUs a loop step took 50 µs
+    # after 20 ms asleep, 29 µs when woken every millisecond and 4 µs back to back (scripts/bench_idle_wake.py),
+    # and a request's first token crosses dozens of such steps in the gateway and the stages. Kept warm, one stream's
+    # first token came 0.5-1.3 ms sooner (docs/performance.md, twenty-fifth stop), for ~4% of a core per process
+    # while warm; an idle deployment goes back to `loop_tick_ms` after this long. 0: never warm.
+    stay_warm_s: float = Field(default=10.0, ge=0)
+
+
+_WARM_TICK_S = 0.001
+# When this process last had work (monotonic seconds; -inf: never). One clock per process, written by whatever
+# receives its work (the stage consumer, the gateway) and read by the loop's timer.
+_last_work_s = float("-inf")
+
+
+def note_work() -> None:
+    """This process just received work: its loop stays warm for `stay_warm_s`."""
+    global _last_work_s
+    _last_work_s = time.monotonic()
 
 
 @contextlib.asynccontextmanager
 async def event_loop_lag_observed(interval_s: float | None = None) -> AsyncIterator[None]:
-    """While open, a timer every `interval_s` (default: `CONVEYOR_LOOP_TICK_MS`) records how late it fired into
-    `conveyor_event_loop_lag_seconds`: the wait of any callback that became ready meanwhile, a stream's next token
-    included."""
-    if interval_s is None:
-        interval_s = LoopSettings().loop_tick_ms / 1000
-    task = asyncio.create_task(_observe_event_loop_lag(interval_s), name="event-loop-lag")
+    """While open, a timer records how late it fired into `conveyor_event_loop_lag_seconds`: the wait of any
+    callback that became ready meanwhile, a stream's next token included. It fires every `interval_s` (default:
+    `CONVEYOR_LOOP_TICK_MS`), and every millisecond for `CONVEYOR_STAY_WARM_S` after `note_work`."""
+    settings = LoopSettings()
+    idle_s = settings.loop_tick_ms / 1000 if interval_s is None else interval_s
+    task = asyncio.create_task(_observe_event_loop_lag(idle_s, settings.stay_warm_s), name="event-loop-lag")
     try:
         yield
     finally:
         task.cancel()
 
 
-async def _observe_event_loop_lag(interval_s: float) -> None:
+async def _observe_event_loop_lag(idle_s: float, stay_warm_s: float) -> None:
     loop = asyncio.get_running_loop()
     while True:
+        interval_s = min(idle_s, _WARM_TICK_S) if time.monotonic() - _last_work_s < stay_warm_s else idle_s
         due_s = loop.time() + interval_s
         await asyncio.sleep(interval_s)
         EVENT_LOOP_LAG.observe(max(0.0, loop.time() - due_s))

@@ -72,12 +72,35 @@ async def test_the_loop_tick_setting_sets_how_often_an_idle_loop_wakes(monkeypat
             await asyncio.sleep(seconds)
         return metric("conveyor_event_loop_lag_seconds_count") - before
 
+    monkeypatch.setattr("bus.lifecycle._last_work_s", float("-inf"))  # no work yet in this process
     assert await wakes_in(0.3) <= 3  # the default: every 100 ms
     monkeypatch.setenv("CONVEYOR_LOOP_TICK_MS", "5")
     assert await wakes_in(0.3) >= 20
     monkeypatch.setenv("CONVEYOR_LOOP_TICK_MS", "0")
     with pytest.raises(ValidationError, match="loop_tick_ms"):
         await wakes_in(0.01)
+
+
+async def test_a_process_that_just_had_work_keeps_its_loop_warm_for_a_while(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    from bus.lifecycle import event_loop_lag_observed, note_work
+    from tests.helpers import metric
+
+    async def wakes_in(seconds: float) -> float:
+        before = metric("conveyor_event_loop_lag_seconds_count")
+        async with event_loop_lag_observed():
+            await asyncio.sleep(seconds)
+        return metric("conveyor_event_loop_lag_seconds_count") - before
+
+    monkeypatch.setenv("CONVEYOR_STAY_WARM_S", "0.5")
+    note_work()
+    assert await wakes_in(0.2) >= 50  # warm: about every millisecond
+    await asyncio.sleep(0.4)
+    assert await wakes_in(0.3) <= 3  # the work is over half a second old: back to every 100 ms
+    monkeypatch.setenv("CONVEYOR_STAY_WARM_S", "0")
+    note_work()
+    assert await wakes_in(0.3) <= 3  # never warm
 
 
 def test_smoke_command_streams_a_reply_through_an_embedded_server() -> None:

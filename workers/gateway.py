@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from bus.client import PipelineClient
 from bus.errors import RejectRequest, RemoteError, ReplyGap, ReplyStreamBroken
-from bus.lifecycle import stop_tasks
+from bus.lifecycle import note_work, stop_tasks
 from bus.registry import ready_models, served_adapters
 from bus.replies import ReplyStream
 from bus.tracing import TraceContext
@@ -269,6 +269,7 @@ class Gateway:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        note_work()  # this process's loop stays warm for the next request (bus/lifecycle.py)
         try:
             return await handler(request)
         except OpenAIError as error:
