@@ -57,20 +57,22 @@ async def test_a_blocked_event_loop_shows_in_the_lag_histogram() -> None:
     assert metric("conveyor_event_loop_lag_seconds_sum") >= 0.25
 
 
-async def test_the_loop_tick_setting_sets_how_often_an_idle_loop_wakes(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+async def wakes_in(seconds: float) -> float:
+    """How many times the loop's timer fired in `seconds` (under the settings in the environment now)."""
     import asyncio
-
-    import pytest
-    from pydantic import ValidationError
 
     from bus.lifecycle import event_loop_lag_observed
     from tests.helpers import metric
 
-    async def wakes_in(seconds: float) -> float:
-        before = metric("conveyor_event_loop_lag_seconds_count")
-        async with event_loop_lag_observed():
-            await asyncio.sleep(seconds)
-        return metric("conveyor_event_loop_lag_seconds_count") - before
+    before = metric("conveyor_event_loop_lag_seconds_count")
+    async with event_loop_lag_observed():
+        await asyncio.sleep(seconds)
+    return metric("conveyor_event_loop_lag_seconds_count") - before
+
+
+async def test_the_loop_tick_setting_sets_how_often_an_idle_loop_wakes(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import pytest
+    from pydantic import ValidationError
 
     monkeypatch.setattr("bus.lifecycle._last_work_s", float("-inf"))  # no work yet in this process
     assert await wakes_in(0.3) <= 3  # the default: every 100 ms
@@ -84,14 +86,7 @@ async def test_the_loop_tick_setting_sets_how_often_an_idle_loop_wakes(monkeypat
 async def test_a_process_that_just_had_work_keeps_its_loop_warm_for_a_while(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import asyncio
 
-    from bus.lifecycle import event_loop_lag_observed, note_work
-    from tests.helpers import metric
-
-    async def wakes_in(seconds: float) -> float:
-        before = metric("conveyor_event_loop_lag_seconds_count")
-        async with event_loop_lag_observed():
-            await asyncio.sleep(seconds)
-        return metric("conveyor_event_loop_lag_seconds_count") - before
+    from bus.lifecycle import note_work
 
     monkeypatch.setenv("CONVEYOR_STAY_WARM_S", "0.5")
     note_work()
