@@ -22,9 +22,9 @@ tokenizer manager dispatching the request to its scheduler, and receiving the fi
 The decode worker's SGLang gets CONVEYOR_SGLANG_* from the environment (default here: 30% of the GPU, page 16,
 asleep while idle).
 
-`--keep-warm-ms N` wakes each worker's event loop and the client's every N ms while they wait (an experiment, not a
-setting of the project): on an idle pipeline every step runs cold (scripts/bench_idle_wake.py), and this measures
-what keeping the processes awake would buy.
+The workers and the gateway keep their loops warm for CONVEYOR_STAY_WARM_S (default 10 s) after work, as every
+deployment's do; `CONVEYOR_STAY_WARM_S=0` in the environment measures them cold. `--keep-warm-ms N` (the experiment
+that came before that setting) also wakes this client's loop, and each worker's consumer, every N ms.
 
 All processes stamp `time.time()` of one machine, so their stamps compare. The wrappers cost a few microseconds a
 point; the first token's total (printed last) is a little slower than unwrapped.
