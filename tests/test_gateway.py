@@ -137,19 +137,21 @@ def test_a_decode_workers_chat_chunk_goes_out_as_the_json_the_gateway_would_buil
     assert sent == json.dumps(built, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-async def test_a_request_after_a_quiet_spell_finds_the_gateways_model_view_fresh(bus: Bus) -> None:
+async def test_a_request_after_a_quiet_spell_does_not_wait_for_the_gateways_registry_read(bus: Bus) -> None:
     from workers.gateway import Gateway
 
     async with running_workers(bus, [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, mock_decode())]):
         gateway = Gateway(client_of(bus), GatewayOptions(host="127.0.0.1", port=0))
-        refresher = asyncio.create_task(gateway.keep_ready_models_fresh(interval_s=0.1))
-        try:
-            await asyncio.sleep(1.5)  # longer than the view's age limit: before, the next request read the registry
+        await gateway._require_model(MOCK)
+        await asyncio.sleep(1.5)  # longer than the view's refresh age: before, the next request read the registry
+        reads = 0
 
-            async def no_read_on_the_request_path() -> list[object]:
-                raise AssertionError("a request waited for a registry read")
+        async def unreachable_registry() -> list[object]:
+            nonlocal reads
+            reads += 1
+            raise ConnectionError("the registry is slow or away")
 
-            gateway._client.live_workers = no_read_on_the_request_path  # type: ignore[method-assign]
-            await gateway._require_model(MOCK)
-        finally:
-            refresher.cancel()
+        gateway._view._read = unreachable_registry  # type: ignore[assignment]
+        await gateway._require_model(MOCK)  # served from the view it has; the read goes on in the background
+        await asyncio.sleep(0.05)
+        assert reads == 1

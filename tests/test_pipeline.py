@@ -21,7 +21,7 @@ from bus.registry import live_workers, ready_models
 from schemas.client import ChatMessage, ImagePart, MediaUrl, StreamFormat
 from schemas.codec import decode
 from schemas.kv_events import BlockStored, KvEventBatch
-from schemas.registry import ServingMode, Stage
+from schemas.registry import ServingMode, Stage, WorkerCard
 from schemas.replies import ErrorCode, FinalFrame, FinishReason
 from schemas.kv_hashing import chain_hashes
 from tests.conftest import Bus, bus_settings
@@ -269,24 +269,28 @@ async def test_a_worker_in_its_own_process_takes_its_startup_objects_out_of_the_
         gc.unfreeze()
 
 
-async def test_a_request_after_a_quiet_spell_is_routed_without_reading_the_registry(bus: Bus) -> None:
+async def test_a_request_after_a_quiet_spell_is_routed_without_waiting_for_a_registry_read(bus: Bus) -> None:
     from workers.processor import _REGISTRY_REFRESH_S
 
     processor = mock_processor()
     async with running_workers(bus, [(Stage.PROCESSOR, processor), (Stage.DECODE, mock_decode())]):
         client = client_of(bus)
         await ask_to_the_end(client, max_tokens=2)
-        await asyncio.sleep(1.5 * _REGISTRY_REFRESH_S)  # before, the next request read the registry on its path
-        view_age_s: list[float] = []
-        route = processor._route_generation
+        await asyncio.sleep(1.5 * _REGISTRY_REFRESH_S)  # the view is stale now: before, the next request read it
+        assert processor._view is not None
+        read = processor._view._read
+        reads: list[float] = []
 
-        async def route_noting_the_view_age(*args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-            view_age_s.append(time.monotonic() - processor._cards_at_s)
-            await route(*args, **kwargs)
+        async def slow_read() -> list[WorkerCard]:
+            reads.append(time.monotonic())
+            await asyncio.sleep(5.0)
+            return await read()
 
-        processor._route_generation = route_noting_the_view_age  # type: ignore[method-assign]
+        processor._view._read = slow_read
+        started_s = time.monotonic()
         await ask_to_the_end(client, max_tokens=2)
-        assert view_age_s and view_age_s[0] < _REGISTRY_REFRESH_S
+        assert reads, "the stale view was not read again"
+        assert time.monotonic() - started_s < 2.5, "the request waited for the registry read"
 
 
 async def test_registry_lists_ready_workers_and_forgets_them_on_shutdown(bus: Bus) -> None:

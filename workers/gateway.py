@@ -33,8 +33,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from bus.client import PipelineClient
 from bus.errors import RejectRequest, RemoteError, ReplyGap, ReplyStreamBroken
-from bus.lifecycle import note_work, stop_tasks
-from bus.registry import ready_models, served_adapters
+from bus.lifecycle import note_work
+from bus.registry import RegistryView, ready_models, served_adapters
 from bus.replies import ReplyStream
 from bus.tracing import TraceContext
 from schemas.client import (
@@ -49,7 +49,7 @@ from schemas.client import (
     ToolSpec,
 )
 from schemas.control import LoraAdapter
-from schemas.registry import Stage
+from schemas.registry import Stage, WorkerCard
 from schemas.replies import EmbeddingResult, ErrorCode, FinalFrame, ImageResult, TokenChunk, TokenLogprob, Usage
 from workers.http import metrics
 from workers.output_parsing import OutputParser, ParsedDelta, ToolFormat
@@ -251,8 +251,9 @@ class Gateway:
     def __init__(self, client: PipelineClient, options: GatewayOptions) -> None:
         self._client = client
         self._options = options
-        self._ready: dict[str, Any] = {}
-        self._ready_at_s = 0.0
+        self._view = RegistryView(client.live_workers, refresh_after_s=_MODELS_REFRESH_S)
+        # The ready models of the view's last cards (worked out again only when the view has new ones).
+        self._ready_of: tuple[list[WorkerCard], dict[str, Any]] | None = None
         self.app = web.Application(middlewares=[self._errors])
         self.app.add_routes([
             web.post("/v1/chat/completions", self.chat_completions),
@@ -298,7 +299,7 @@ class Gateway:
         rollout = await self._client.load_lora(adapter, body.timeout_s)
         if rollout.refused:
             raise OpenAIError(400, f"no worker could load {body.lora_name!r}: {rollout.failures()}")
-        self._ready_at_s = 0.0  # the next request sees the adapter
+        self._view.invalidate()  # the next request sees the adapter
         return web.json_response({"status": "success", "lora_name": adapter.name, "base_model": base,
                                   "loaded_on": rollout.done, "failed_on": rollout.failed, "pending_on": rollout.pending})
 
@@ -307,7 +308,7 @@ class Gateway:
         rollout = await self._client.unload_lora(body.lora_name)
         if rollout is None:
             raise OpenAIError(404, f"no LoRA adapter named {body.lora_name!r} is served", code="model_not_found")
-        self._ready_at_s = 0.0
+        self._view.invalidate()
         return web.json_response({"status": "success", "lora_name": body.lora_name, "unloaded_on": rollout.done,
                                   "pending_on": rollout.pending})
 
@@ -431,22 +432,13 @@ class Gateway:
         await response.write_eof()
         return response
 
-    async def _ready_models(self, max_age_s: float = _MODELS_REFRESH_S) -> dict[str, Any]:
-        """Ready models, from a view of the registry at most `max_age_s` old."""
-        if time.monotonic() - self._ready_at_s > max_age_s:
-            self._ready = dict(ready_models(await self._client.live_workers()))
-            self._ready_at_s = time.monotonic()
-        return self._ready
-
-    async def keep_ready_models_fresh(self, interval_s: float = _MODELS_REFRESH_S / 2) -> None:
-        """Read the registry in the background before the view goes stale, so that no request waits for it (a
-        request after a quiet second read it on its own path: docs/performance.md, twenty-fifth stop)."""
-        while True:
-            await asyncio.sleep(interval_s)
-            try:
-                await self._ready_models(max_age_s=interval_s)
-            except Exception as error:  # NATS away: requests read it themselves meanwhile
-                log.debug("gateway.registry_unreadable", error=repr(error))
+    async def _ready_models(self, max_age_s: float | None = None) -> dict[str, Any]:
+        """Ready models, from the registry view (bus/registry.py: RegistryView); with `max_age_s`, one read at most
+        that long ago."""
+        cards = await self._view.cards(max_age_s)
+        if self._ready_of is None or self._ready_of[0] is not cards:
+            self._ready_of = (cards, dict(ready_models(cards)))
+        return self._ready_of[1]
 
     async def _require_model(self, model: str) -> None:
         # Absent only on a fresh view: the cached one may predate the model's workers getting ready.
@@ -645,9 +637,7 @@ async def serving(client: PipelineClient, options: GatewayOptions) -> AsyncItera
     await site.start()
     server = site._server
     assert server is not None and server.sockets
-    refresher = asyncio.create_task(gateway.keep_ready_models_fresh(), name="gateway-registry-view")
     try:
         yield int(server.sockets[0].getsockname()[1])
     finally:
-        await stop_tasks([refresher])
         await runner.cleanup()

@@ -55,7 +55,7 @@ from bus.errors import RejectRequest
 from bus.lifecycle import stop_tasks
 from bus.metrics import POOL_CHOICES, QUEUE_SECONDS, REQUESTS
 from bus.pools import PoolsConfig, RequestTargets
-from bus.registry import REQUIRED_STAGES, served_adapters
+from bus.registry import REQUIRED_STAGES, RegistryView, served_adapters
 from bus.router import Router, RouterOptions
 from schemas.client import (
     CLIENT_REQUEST,
@@ -91,7 +91,7 @@ log = structlog.get_logger(__name__)
 
 # OpenAI's limit on inputs per embedding request (refused before tokenizing them).
 MAX_EMBEDDING_INPUTS = 2048
-# How long the routing view of the registry may be stale.
+# After this long the routing view of the registry is read again (in the background: bus/registry.py, RegistryView).
 _REGISTRY_REFRESH_S = 1.0
 # A request is refused for want of a worker only on a view this fresh: the cached one may predate a
 # worker that just registered.
@@ -132,18 +132,13 @@ class ProcessorStage:
         self._pools = pools
         self._router: Router | None = None
         self._context: StageContext | None = None
-        self._cards: list[WorkerCard] = []
-        self._cards_at_s = 0.0
-        # The registry read under way, which every request that finds the view stale waits for (a burst of
-        # arrivals would otherwise read the whole registry once each).
-        self._cards_read: asyncio.Future[None] | None = None
+        self._view: RegistryView | None = None
         # Each (model, stage) ever seen with a ready worker, and since when the registry has shown none
         # (absent: it shows one now).
         self._seen_ready: set[tuple[str, Stage]] = set()
         self._missing_since_s: dict[tuple[str, Stage], float] = {}
         self._ready_grace_s = 30.0
         self._watcher: asyncio.Task[None] | None = None
-        self._refresher: asyncio.Task[None] | None = None
 
     @property
     def engine(self) -> None:
@@ -158,11 +153,13 @@ class ProcessorStage:
         self._ready_grace_s = 3 * context.settings.registry_ttl_s
         self._router = context.make_router(self._router_options)
         await self._router.start()
+        self._view = RegistryView(context.list_workers, refresh_after_s=_REGISTRY_REFRESH_S,
+                                  stale_limit_s=context.settings.registry_ttl_s, on_read=self._remember_ready)
         self._watcher = asyncio.create_task(self._watch_registry(context.settings.registry_ttl_s / 2))
-        self._refresher = asyncio.create_task(self._refresh_cards(_REGISTRY_REFRESH_S / 2))
 
     async def stop(self) -> None:
-        await stop_tasks([task for task in (self._watcher, self._refresher) if task is not None])
+        if self._watcher is not None:
+            await stop_tasks([self._watcher])
         if self._router is not None:
             await self._router.stop()
 
@@ -182,17 +179,6 @@ class ProcessorStage:
             except Exception as error:  # the registry is recovering; the next look will do
                 log.debug("processor.registry_unreadable", error=repr(error))
             await asyncio.sleep(interval_s)
-
-    async def _refresh_cards(self, interval_s: float) -> None:
-        """Read the routing view in the background before it goes stale, so that no request waits for the
-        registry: a request after a quiet second read it on its own path, one round trip per card (2 ms of the
-        first token on an idle pipeline; docs/performance.md, twenty-fifth stop)."""
-        while True:
-            await asyncio.sleep(interval_s)
-            try:
-                await self._live_cards(max_age_s=interval_s)
-            except Exception as error:  # the registry is recovering: requests read it themselves meanwhile
-                log.debug("processor.registry_unreadable", error=repr(error))
 
     async def canary(self) -> None:
         for model in self._models.values():
@@ -223,7 +209,7 @@ class ProcessorStage:
         if model is not None:
             return model, None
         # A fresh view when the cached one lacks the adapter: it may have been loaded since.
-        for max_age_s in (_REGISTRY_REFRESH_S, 0.0):
+        for max_age_s in (None, 0.0):
             base = served_adapters(await self._live_cards(max_age_s)).get(name)
             if base in self._models:
                 return self._models[base], name
@@ -313,7 +299,7 @@ class ProcessorStage:
                                 "workers (the conversation stays in one engine)")
         places = self._context.sessions
         holder = await places.worker_of(session_id)
-        decoders = [c for c in await self._live_cards(max_age_s=_FRESH_VIEW_S if holder else _REGISTRY_REFRESH_S)
+        decoders = [c for c in await self._live_cards(max_age_s=_FRESH_VIEW_S if holder else None)
                     if c.stage == Stage.DECODE and c.model == model.name and c.ready]
         if holder is not None and holder not in {card.worker_id for card in decoders}:
             await places.forget(session_id)
@@ -512,24 +498,10 @@ class ProcessorStage:
                   if name == model and now_s - since_s < self._ready_grace_s}
         return (REQUIRED_STAGES[mode] - {Stage.PROCESSOR}) - ready - recent
 
-    async def _live_cards(self, max_age_s: float = _REGISTRY_REFRESH_S) -> list[WorkerCard]:
-        """The registry's cards, read again when the cached view is older than `max_age_s`; requests that find it
-        stale together share one read."""
-        if time.monotonic() - self._cards_at_s > max_age_s:
-            if self._cards_read is None:
-                self._cards_read = asyncio.ensure_future(self._read_cards())
-            # Shielded: a request cancelled while it waits does not cancel the read the others wait for.
-            await asyncio.shield(self._cards_read)
-        return self._cards
-
-    async def _read_cards(self) -> None:
-        assert self._context is not None
-        try:
-            self._cards = await self._context.list_workers()
-            self._cards_at_s = time.monotonic()
-            self._remember_ready(self._cards)
-        finally:
-            self._cards_read = None
+    async def _live_cards(self, max_age_s: float | None = None) -> list[WorkerCard]:
+        """The registry's cards (bus/registry.py: RegistryView); with `max_age_s`, as read at most that long ago."""
+        assert self._view is not None
+        return await self._view.cards(max_age_s)
 
     def _remember_ready(self, cards: list[WorkerCard]) -> None:
         now_s = time.monotonic()
