@@ -661,9 +661,10 @@ class ReplyInboxes:
     whose stream has closed is answered `closed`, which a sender takes as the client gone (as it takes no
     responders from an inbox nobody subscribes to)."""
 
-    def __init__(self, nc: Client) -> None:
+    def __init__(self, nc: Client, prefix: str | None = None) -> None:
         self._nc = nc
-        self._prefix = nc.new_inbox()
+        # A fresh inbox of the connection (under its `inbox_prefix`, so a secured client's scope holds), unless given.
+        self._prefix = prefix or nc.new_inbox()
         self._streams: dict[str, ReplyStream] = {}
         self._next_index = 0
         self._subscribed: asyncio.Future[Subscription] | None = None

@@ -2,7 +2,8 @@
 
 A gateway (or any client) reads every stream its users opened through one NATS connection, so the rate one
 process can take in bounds how many decode workers one gateway can front. This starts an embedded nats-server,
-one receiver (this process: `--streams` `ReplyStream`s on one connection, as `PipelineClient` holds them) and
+one receiver (this process: `--streams` `ReplyStream`s on one connection and one subscription, as `PipelineClient`
+holds them) and
 `--senders` sender processes, each streaming its share of the streams with `ReplySender` in engine-like steps:
 each step, every stream sends one frame of `--tokens-per-frame` tokens (1 = one token per engine step, as
 SGLang streams; more = a sender coalescing), the steps paced so that all streams together offer `--offered-tok-s`. Each stream ends with its final frame, whose usage says how many
@@ -34,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from bus.connection import connect  # noqa: E402
 from bus.errors import ReplyGap, ReplyStreamBroken  # noqa: E402
-from bus.replies import ReplySender, ReplyStream  # noqa: E402
+from bus.replies import ReplyInboxes, ReplySender, ReplyStream  # noqa: E402
 from bus.server import EmbeddedNatsServer  # noqa: E402
 from bus.settings import NatsSettings  # noqa: E402
 from schemas.replies import FinalFrame, FinishReason, Usage  # noqa: E402
@@ -48,7 +49,7 @@ def say(message: str) -> None:
 
 
 def inbox_of(prefix: str, sender: int, stream: int) -> str:
-    return f"_INBOX.{prefix}.{sender}.{stream}"
+    return f"_INBOX.{prefix}.{sender}_{stream}"
 
 
 # ---- sender process -------------------------------------------------------------------------------------------
@@ -102,12 +103,14 @@ def spawn_senders(args: argparse.Namespace, url: str, prefix: str) -> list[subpr
 
 
 async def receive_typed(args: argparse.Namespace, url: str) -> Received:
-    """Every stream read by a `ReplyStream` (decode, order and gap checks), as a client reads them."""
+    """Every stream read by a `ReplyStream` (decode, order and gap checks), as a client reads them: through one
+    shared subscription, as `PipelineClient` does (`ReplyInboxes`), or with `--own-subscriptions` two per stream."""
     nc = await connect(NatsSettings(urls=[url]), "fanin-receiver")
     prefix = f"t{time.monotonic_ns()}"
     per_sender = args.streams // args.senders
+    inboxes = None if args.own_subscriptions else ReplyInboxes(nc, prefix=f"_INBOX.{prefix}")
     streams = [ReplyStream(nc, inbox_of(prefix, sender, stream), f"r{sender}-{stream}",
-                           heartbeat_timeout_s=10, first_frame_timeout_s=60)
+                           heartbeat_timeout_s=10, first_frame_timeout_s=60, inboxes=inboxes)
                for sender in range(args.senders) for stream in range(per_sender)]
     for stream in streams:
         await stream.__aenter__()
@@ -228,6 +231,9 @@ if __name__ == "__main__":
     parser.add_argument("--tokens-per-frame", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (typed, raw; raw, typed; ...)")
     parser.add_argument("--only", choices=["typed", "raw"], help="run one receiver only, every round listed")
+    parser.add_argument("--own-subscriptions", action="store_true",
+                        help="the typed receiver subscribes twice per stream (before the twenty-fifth stop, every "
+                             "client did), instead of reading all streams through one subscription")
     parser.add_argument("--nats", help=argparse.SUPPRESS)
     parser.add_argument("--prefix", help=argparse.SUPPRESS)
     parser.add_argument("--sender", type=int, default=0, help=argparse.SUPPRESS)
