@@ -11,11 +11,13 @@
 #   ttft      scripts/bench_ttft.py: the first token at one stream, paired prompt by prompt
 #   streams   scripts/bench_ttft.py with outputs of 128–512 tokens: token rate and inter-token latency at one
 #             stream, paired prompt by prompt
+#   onestream (not in the default list) the first token at one stream three ways, paired: short requests back to
+#             back, after 1 s of idle each, and whole streams of 128–512 tokens (docs/performance.md, twenty-fifth stop)
 #   scale     scripts/bench_scale.py: the mock engine with 1, 2, 4 and 8 decode replicas (CPU only)
 #   fanin     scripts/bench_fanin.py: tokens/s into one receiving process (CPU only)
 #   serving   scripts/bench_vs_sglang.py: bench_serving's bursts at 64 streams, with the server's own control
 # GOALS_STEPS picks and orders them (default: all, in the order above). GOALS_ALSO="NAME=URL ..." adds targets to
-# the aiperf, ttft and streams steps, measured in the same rounds (stack b: GOALS_ALSO=b=http://127.0.0.1:8001).
+# the aiperf, ttft, streams and onestream steps, measured in the same rounds (stack b: GOALS_ALSO=b=http://127.0.0.1:8001).
 # GOALS_REQUESTS_PER_STREAM (default 4) lengthens each aiperf run: at 4, a 64-stream run is 7-9 s under load in 40 s.
 # A step that fails is logged and the next one runs. While the run lasts, top's busiest processes are logged every
 # 2 s (top.log), so a slow round can be read against what else ran. /tmp/goals/done marks the end.
@@ -43,6 +45,12 @@ run_step() {  # run_step NAME ROUNDS
         ttft) step ttft python3 scripts/bench_ttft.py --model .gpu/smol "$server" "$stack" "${also_urls[@]}" ;;
         streams) step streams python3 scripts/bench_ttft.py --model .gpu/smol --requests 60 --min-tokens 128 \
                      --max-tokens 512 --progress-every 20 "$server" "$stack" "${also_urls[@]}" ;;
+        onestream) step onestream-short python3 scripts/bench_ttft.py --model .gpu/smol --requests 150 \
+                       "$server" "$stack" "${also_urls[@]}"
+                   step onestream-idle python3 scripts/bench_ttft.py --model .gpu/smol --requests 45 --idle-s 1 \
+                       "$server" "$stack" "${also_urls[@]}"
+                   step onestream-whole python3 scripts/bench_ttft.py --model .gpu/smol --requests 30 --min-tokens 128 \
+                       --max-tokens 512 --progress-every 30 "$server" "$stack" "${also_urls[@]}" ;;
         scale) step scale python3 scripts/bench_scale.py --rounds 1 ;;
         fanin) step fanin python3 scripts/bench_fanin.py --senders 8 --streams 1024 --tokens-per-frame 1 8 --rounds 2 ;;
         serving) step serving python3 scripts/bench_vs_sglang.py --model .gpu/smol --sglang-url "$server" \
@@ -129,7 +137,7 @@ case "${1:-}" in
         if [ -f "$dir/done" ]; then echo "[gpu-goals] done"; else echo "[gpu-goals] still running"; fi
         ;;
     *)
-        sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
+        sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'
         exit 2
         ;;
 esac
