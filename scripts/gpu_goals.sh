@@ -11,13 +11,13 @@
 #   ttft      scripts/bench_ttft.py: the first token at one stream, paired prompt by prompt
 #   streams   scripts/bench_ttft.py with outputs of 128–512 tokens: token rate and inter-token latency at one
 #             stream, paired prompt by prompt
-#   onestream (not in the default list) the first token at one stream three ways, paired: short requests back to
-#             back, after 1 s of idle each, and whole streams of 128–512 tokens (docs/performance.md, twenty-fifth stop)
+#   onestream (not in the default list) the first token at one stream three ways, paired: short requests back
+#             to back, after 1 s of idle each, whole streams of 128–512 tokens (docs/performance.md, 25th stop)
 #   scale     scripts/bench_scale.py: the mock engine with 1, 2, 4 and 8 decode replicas (CPU only)
 #   fanin     scripts/bench_fanin.py: tokens/s into one receiving process (CPU only)
 #   serving   scripts/bench_vs_sglang.py: bench_serving's bursts at 64 streams, with the server's own control
 # GOALS_STEPS picks and orders them (default: all, in the order above). GOALS_ALSO="NAME=URL ..." adds targets to
-# the aiperf, ttft, streams and onestream steps, measured in the same rounds (stack b: GOALS_ALSO=b=http://127.0.0.1:8001).
+# the aiperf, ttft, streams and onestream steps, measured in the same rounds (GOALS_ALSO=b=http://127.0.0.1:8001).
 # GOALS_REQUESTS_PER_STREAM (default 4) lengthens each aiperf run: at 4, a 64-stream run is 7-9 s under load in 40 s.
 # A step that fails is logged and the next one runs. While the run lasts, top's busiest processes are logged every
 # 2 s (top.log), so a slow round can be read against what else ran. /tmp/goals/done marks the end.

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import pytest
 from typer.testing import CliRunner
 
 from bus.metrics import MESSAGES_IN
@@ -70,8 +71,8 @@ async def wakes_in(seconds: float) -> float:
     return metric("conveyor_event_loop_lag_seconds_count") - before
 
 
-async def test_the_loop_tick_setting_sets_how_often_an_idle_loop_wakes(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    import pytest
+async def test_the_loop_tick_setting_sets_how_often_an_idle_loop_wakes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     from pydantic import ValidationError
 
     monkeypatch.setattr("bus.lifecycle._last_work_s", float("-inf"))  # no work yet in this process
@@ -83,7 +84,8 @@ async def test_the_loop_tick_setting_sets_how_often_an_idle_loop_wakes(monkeypat
         await wakes_in(0.01)
 
 
-async def test_a_process_that_just_had_work_keeps_its_loop_warm_for_a_while(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+async def test_a_process_that_just_had_work_keeps_its_loop_warm_for_a_while(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     import asyncio
 
     from bus.lifecycle import note_work
