@@ -518,7 +518,7 @@ class ReplyStream:
                 pending_bytes_limit=_INBOX_PENDING_BYTES,
             )
         )
-        self._subscriptions.append(await self._nc.subscribe(alive_subject(self.inbox), cb=self._answer_alive))
+        self._subscriptions.append(await self._nc.subscribe(alive_subject(self.inbox), cb=self.answer_alive))
         return self
 
     async def __aexit__(
@@ -543,9 +543,7 @@ class ReplyStream:
             self._waiter.set_result(None)
 
     async def answer_alive(self, msg: Msg) -> None:
-        await self._answer_alive(msg)
-
-    async def _answer_alive(self, msg: Msg) -> None:
+        """A liveness probe of this stream's inbox (from its own subscription or the client's shared one)."""
         if msg.reply:
             # Where this reader is, so a sender can send again what a NATS outage lost.
             answer = AliveAnswer(next_seq=self._next_seq, missing=bool(self._ahead))
