@@ -1,0 +1,179 @@
+"""How fast one single-threaded Python process runs while other cores are busy: does a busier machine slow it?
+
+SGLang's scheduler is one Python thread at 100% of a core, and with a small model its Python caps the token rate. At
+64 streams the scheduler inside Conveyor's decode worker steps 0.77-0.91x as fast as the server's at about equal
+batch sizes, with the same profile (docs/performance.md, twenty-second and twenty-sixth stops), and Conveyor's stack
+keeps about two more cores busy than the server does (decode worker, gateways, nats-server, processor). Pinning each
+scheduler to whole cores of its own did not close the gap (twenty-third stop), which leaves what a core shares with
+every other: its clock (turbo falls as more cores are active), the last-level cache and memory bandwidth.
+
+This measures that directly. One process, pinned to a CPU whose hyperthread siblings stay idle, runs a fixed
+scheduler-like Python workload (small objects, dict and list work, pickling a batch) and counts rounds a second,
+while K helper processes, pinned to other physical cores, either spin (`spin`: the clock) or copy buffers larger than
+the cache (`memory`: the cache and memory bandwidth). Levels run in a forward then reversed order each round, so a
+drift over the run does not read as an effect.
+
+    .venv/bin/python scripts/bench_cpu_neighbours.py --busy 0 1 --rounds 2          # this machine
+    bash scripts/gpu_run.sh python3 scripts/bench_cpu_neighbours.py                 # the GPU machine (16 CPUs)
+
+Prints, per kind and number of busy cores, the median rate and its ratio to the idle machine's, with the measured
+CPU's clock where /sys or /proc/cpuinfo tell it. Linux only (CPU affinity).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import pickle
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+SETTLE_S = 0.3  # helpers reach full speed (and the clock its new level) before the window opens
+MEMORY_BUFFER_BYTES = 256 * 1024 * 1024  # far beyond any last-level cache here
+
+
+@dataclass(frozen=True)
+class Reading:
+    kind: str
+    busy_cores: int
+    rounds_per_s: float
+    clock_mhz: float | None
+
+
+def physical_cores() -> list[list[int]]:
+    """Each physical core's logical CPUs (hyperthread siblings together), among the CPUs this process may use."""
+    allowed = sorted(os.sched_getaffinity(0))
+    cores: dict[tuple[int, ...], None] = {}
+    for cpu in allowed:
+        siblings_file = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+        siblings = parse_cpu_list(siblings_file.read_text()) if siblings_file.exists() else [cpu]
+        cores[tuple(sorted(set(siblings) & set(allowed)) or [cpu])] = None
+    return [list(core) for core in cores]
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11]"""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        low, _, high = part.partition("-")
+        cpus.extend(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def clock_mhz(cpu: int) -> float | None:
+    """The CPU's current clock: cpufreq if the kernel exposes it, else /proc/cpuinfo's 'cpu MHz' for that CPU."""
+    freq = Path(f"/sys/devices/system/cpu/cpu{cpu}/cpufreq/scaling_cur_freq")
+    if freq.exists():
+        return int(freq.read_text()) / 1000
+    try:
+        blocks = Path("/proc/cpuinfo").read_text().split("\n\n")
+    except OSError:
+        return None
+    for block in blocks:
+        fields = dict(line.split(":", 1) for line in block.splitlines() if ":" in line)
+        if fields.get("processor\t", "").strip() == str(cpu) and "cpu MHz\t\t" in fields:
+            return float(fields["cpu MHz\t\t"])
+    return None
+
+
+def scheduler_like_round(batch_size: int = 64) -> int:
+    """One round of work shaped like a scheduler step's Python: per request objects, lookups, a pickled output."""
+    requests = [{"rid": f"req-{i}", "output_ids": list(range(i % 7 + 1)), "finished": False} for i in range(batch_size)]
+    by_rid = {request["rid"]: request for request in requests}
+    for step_token, request in enumerate(requests):
+        by_rid[request["rid"]]["output_ids"].append(step_token)
+        request["finished"] = len(request["output_ids"]) > 6
+    return len(pickle.dumps([(r["rid"], r["output_ids"][-1], r["finished"]) for r in requests]))
+
+
+def measure(cpu: int, window_s: float) -> Reading:
+    os.sched_setaffinity(0, {cpu})
+    rounds = 0
+    deadline = time.perf_counter() + window_s
+    while time.perf_counter() < deadline:
+        for _ in range(50):
+            scheduler_like_round()
+        rounds += 50
+    return Reading("", 0, rounds / window_s, clock_mhz(cpu))
+
+
+def busy(kind: str, cpu: int, stop: mp.Event) -> None:
+    os.sched_setaffinity(0, {cpu})
+    if kind == "spin":
+        while not stop.is_set():
+            for _ in range(100_000):
+                pass
+        return
+    source, target = bytearray(MEMORY_BUFFER_BYTES), bytearray(MEMORY_BUFFER_BYTES)
+    while not stop.is_set():
+        target[:] = source
+
+
+def reading_with_neighbours(kind: str, busy_cpus: list[int], measured_cpu: int, window_s: float) -> Reading:
+    context = mp.get_context("spawn")
+    stop = context.Event()
+    helpers = [context.Process(target=busy, args=(kind, cpu, stop), daemon=True) for cpu in busy_cpus]
+    for helper in helpers:
+        helper.start()
+    time.sleep(SETTLE_S + (0.5 if helpers and kind == "memory" else 0.0))  # the memory helpers allocate first
+    reading = measure(measured_cpu, window_s)
+    stop.set()
+    for helper in helpers:
+        helper.join(timeout=5)
+        if helper.is_alive():
+            helper.kill()
+    return Reading(kind, len(busy_cpus), reading.rounds_per_s, reading.clock_mhz)
+
+
+def plan(cores: list[list[int]], wanted: list[int]) -> tuple[int, list[int], list[int]]:
+    """The measured CPU (the last core's first thread; its siblings left idle), the CPUs helpers may take (one per
+    other physical core first, then the other cores' siblings) and the busy levels that fit."""
+    measured_core, *others = cores[::-1]
+    helper_cpus = [core[0] for core in others] + [cpu for core in others for cpu in core[1:]]
+    return measured_core[0], helper_cpus, [level for level in wanted if level <= len(helper_cpus)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--busy", type=int, nargs="+", default=[0, 2, 4, 6, 8, 12],
+                        help="numbers of busy helper cores to measure beside the idle machine (default: %(default)s)")
+    parser.add_argument("--kinds", nargs="+", choices=["spin", "memory"], default=["spin", "memory"])
+    parser.add_argument("--rounds", type=int, default=3, help="forward-then-reverse passes over the levels")
+    parser.add_argument("--window-s", type=float, default=1.5, help="seconds each reading counts")
+    args = parser.parse_args()
+
+    cores = physical_cores()
+    measured_cpu, helper_cpus, levels = plan(cores, sorted(set([0, *args.busy])))
+    print(f"[cpu-neighbours] {len(cores)} physical cores, {os.cpu_count()} CPUs; measuring on CPU {measured_cpu}, "
+          f"helpers on {helper_cpus}; levels {levels}", flush=True)
+    readings: list[Reading] = []
+    for round_index in range(args.rounds):
+        order = levels if round_index % 2 == 0 else levels[::-1]
+        for kind in args.kinds:
+            for level in order:
+                reading = reading_with_neighbours(kind, helper_cpus[:level], measured_cpu, args.window_s)
+                readings.append(reading)
+                clock = f", {reading.clock_mhz:.0f} MHz" if reading.clock_mhz else ""
+                print(f"[cpu-neighbours] round {round_index + 1}: {kind} x{level}: "
+                      f"{reading.rounds_per_s:,.0f} rounds/s{clock}", flush=True)
+    report(readings, args.kinds, levels)
+
+
+def report(readings: list[Reading], kinds: list[str], levels: list[int]) -> None:
+    print("\none scheduler-like Python thread beside busy cores (median over rounds; ratio to the same kind's 0 busy)")
+    print(f"{'kind':<8} {'busy cores':>10} {'rounds/s':>12} {'ratio':>7} {'clock MHz':>10}")
+    for kind in kinds:
+        idle = statistics.median(r.rounds_per_s for r in readings if r.kind == kind and r.busy_cores == 0)
+        for level in levels:
+            mine = [r for r in readings if r.kind == kind and r.busy_cores == level]
+            rate = statistics.median(r.rounds_per_s for r in mine)
+            clocks = [r.clock_mhz for r in mine if r.clock_mhz]
+            clock = f"{statistics.median(clocks):>10.0f}" if clocks else f"{'-':>10}"
+            print(f"{kind:<8} {level:>10} {rate:>12,.0f} {rate / idle:>6.2f}x {clock}")
+
+
+if __name__ == "__main__":
+    main()
