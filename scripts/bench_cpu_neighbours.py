@@ -27,9 +27,13 @@ import multiprocessing as mp
 import os
 import pickle
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from isolate_schedulers import physical_cores  # noqa: E402  — the machine's cores, hyperthread siblings together
 
 SETTLE_S = 0.3  # helpers reach full speed (and the clock its new level) before the window opens
 MEMORY_BUFFER_BYTES = 256 * 1024 * 1024  # far beyond any last-level cache here
@@ -41,26 +45,6 @@ class Reading:
     busy_cores: int
     rounds_per_s: float
     clock_mhz: float | None
-
-
-def physical_cores() -> list[list[int]]:
-    """Each physical core's logical CPUs (hyperthread siblings together), among the CPUs this process may use."""
-    allowed = sorted(os.sched_getaffinity(0))
-    cores: dict[tuple[int, ...], None] = {}
-    for cpu in allowed:
-        siblings_file = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
-        siblings = parse_cpu_list(siblings_file.read_text()) if siblings_file.exists() else [cpu]
-        cores[tuple(sorted(set(siblings) & set(allowed)) or [cpu])] = None
-    return [list(core) for core in cores]
-
-
-def parse_cpu_list(text: str) -> list[int]:
-    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11]"""
-    cpus: list[int] = []
-    for part in text.strip().split(","):
-        low, _, high = part.partition("-")
-        cpus.extend(range(int(low), int(high or low) + 1))
-    return cpus
 
 
 def clock_mhz(cpu: int) -> float | None:
@@ -145,7 +129,9 @@ def main() -> None:
     parser.add_argument("--window-s", type=float, default=1.5, help="seconds each reading counts")
     args = parser.parse_args()
 
-    cores = physical_cores()
+    allowed = os.sched_getaffinity(0)
+    cores = [[cpu for cpu in core if cpu in allowed] for core in physical_cores()]
+    cores = [core for core in cores if core]
     measured_cpu, helper_cpus, levels = plan(cores, sorted(set([0, *args.busy])))
     print(f"[cpu-neighbours] {len(cores)} physical cores, {os.cpu_count()} CPUs; measuring on CPU {measured_cpu}, "
           f"helpers on {helper_cpus}; levels {levels}", flush=True)

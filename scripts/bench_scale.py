@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 import uuid
@@ -57,7 +58,7 @@ def start_stack(args: argparse.Namespace, replicas: int, logs: Path) -> vs.Serve
     for index in range(max(1, replicas // 2)):
         servers.spawn(f"processor-{index}", worker[:4] + ["processor"] + worker[4:], env)
     for index in range(replicas):
-        servers.spawn(f"decode-{index}", worker[:4] + ["decode"] + worker[4:], env)
+        servers.spawn(f"decode-{index}", worker[:4] + ["decode"] + worker[4:] + shlex.split(args.decode_args), env)
     try:
         vs.asyncio.run(wait_ready(servers, replicas + max(1, replicas // 2), args.start_timeout_s))
     except BaseException:
@@ -148,6 +149,12 @@ def run(args: argparse.Namespace) -> None:
               f"{row['decode_cpu_percent']:>10.0f}% {row['processor_cpu_percent']:>8.0f}% "
               f"{row['machine_cpu_percent'] / 100:>7.1f}c")
     print("decode / proc CPU: each replica's mean (one core = 100%); machine: cores busy in all, clients included")
+    for replicas in args.replicas:
+        row = vs.median_row(rows[replicas])
+        per_token_us = {role: 1e4 * row[f"{role}_cpu_percent"] * count / row["output_throughput"]
+                        for role, count in (("nats", 1), ("decode", replicas), ("processor", max(1, replicas // 2)))}
+        print(f"CPU per output token at {replicas} replicas: " +
+              ", ".join(f"{role} {us:.0f} µs" for role, us in per_token_us.items()))
     one = vs.median_row(single)
     many = vs.median_row(rows[max(args.replicas)])
     print(f"one client process reading all {args.streams_per_replica * max(args.replicas)} streams: "
@@ -168,6 +175,8 @@ def main() -> None:
     parser.add_argument("--worker-concurrency", type=int, default=0,
                         help="Tasks each worker holds at once (0: twice the streams per replica). The mock engine runs "
                              "64 at most; a worker holding more keeps the rest waiting while other replicas have room.")
+    parser.add_argument("--decode-args", default="",
+                        help="More options for each decode worker, e.g. '--migration-limit 0' (no reply journal)")
     parser.add_argument("--nats-port", type=int, default=4333)
     parser.add_argument("--start-timeout-s", type=float, default=120)
     parser.add_argument("--run-timeout-s", type=float, default=600)

@@ -112,3 +112,23 @@ def test_aiperf_report_gives_two_stacks_ratio_to_each_other_round_by_round(capsy
     printed = capsys.readouterr().out
     assert "a ÷ b | tok/s by round: 0.90, 0.80" in printed
     assert "b ÷ a" not in printed  # each pair once
+
+
+def test_cpu_neighbours_measure_on_a_core_whose_siblings_stay_idle() -> None:
+    plan = _script("bench_cpu_neighbours").plan
+    # Hyperthreaded: the last core measures, helpers take one CPU per other core before any sibling.
+    measured, helpers, levels = plan([[0, 4], [1, 5], [2, 6], [3, 7]], [0, 2, 4, 6, 8])
+    assert measured == 3 and 7 not in helpers
+    assert helpers == [2, 1, 0, 6, 5, 4]
+    assert levels == [0, 2, 4, 6]  # 8 helpers do not fit beside the measured core
+
+
+def test_cpu_neighbours_workload_runs_and_reports_per_kind(capsys: pytest.CaptureFixture[str]) -> None:
+    module = _script("bench_cpu_neighbours")
+    assert module.scheduler_like_round(batch_size=8) > 0
+    readings = [module.Reading("spin", 0, 100.0, None), module.Reading("spin", 2, 80.0, 2100.0),
+                module.Reading("memory", 0, 50.0, None), module.Reading("memory", 2, 60.0, None)]
+    module.report(readings, ["spin", "memory"], [0, 2])
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.split()[:4] == ["spin", "2", "80", "0.80x"] for line in lines)
+    assert any(line.split()[:4] == ["memory", "2", "60", "1.20x"] for line in lines)
