@@ -52,7 +52,8 @@ def start_stack(args: argparse.Namespace, replicas: int, logs: Path) -> vs.Serve
     servers.spawn("nats", [sys.executable, "-m", "workers.cli", "server", "--port", str(args.nats_port),
                            "--monitor-port", str(free_port()), "--store-dir", str(store)])
     env = {"CONVEYOR_NATS_URLS": servers.nats_url, "CONVEYOR_NAMESPACE": servers.namespace,
-           "CONVEYOR_MOCK_INTER_TOKEN_S": str(args.inter_token_ms / 1000)}
+           "CONVEYOR_MOCK_INTER_TOKEN_S": str(args.inter_token_ms / 1000),
+           "CONVEYOR_MOCK_LOCKSTEP": "true" if args.lockstep else "false"}
     worker = [sys.executable, "-m", "workers.cli", "worker", "--engine", "mock", "--model", "mock", "--log-level",
               "WARNING", "--max-concurrency", str(args.worker_concurrency or args.streams_per_replica * 2)]
     for index in range(max(1, replicas // 2)):
@@ -175,6 +176,8 @@ def main() -> None:
     parser.add_argument("--worker-concurrency", type=int, default=0,
                         help="Tasks each worker holds at once (0: twice the streams per replica). The mock engine runs "
                              "64 at most; a worker holding more keeps the rest waiting while other replicas have room.")
+    parser.add_argument("--lockstep", action="store_true",
+                        help="Step each engine's streams on one clock, as SGLang steps its batch (default: a timer each)")
     parser.add_argument("--decode-args", default="",
                         help="More options for each decode worker, e.g. '--migration-limit 0' (no reply journal)")
     parser.add_argument("--nats-port", type=int, default=4333)

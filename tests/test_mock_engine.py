@@ -44,6 +44,37 @@ async def test_requests_beyond_the_batch_limit_wait_for_a_slot() -> None:
     assert time.perf_counter() - started >= 0.2
 
 
+async def test_lockstep_requests_get_their_tokens_in_the_same_steps() -> None:
+    # Started 10 ms apart with 30 ms per token: on their own timers their tokens would stay 10 ms apart.
+    engine = MockEngine(MockEngineConfig(lockstep=True, ttft_base_s=0.0, ttft_per_prompt_token_s=0.0,
+                                         inter_token_s=0.03))
+    stamps: dict[str, list[float]] = {}
+
+    async def timed(name: str, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        async for _ in engine.generate(GenerateRequest(name, [7, 8, 9], stop=StopConditions(max_tokens=5))):
+            stamps.setdefault(name, []).append(time.perf_counter())
+
+    await asyncio.gather(timed("a", 0.0), timed("b", 0.01), timed("c", 0.02))
+    # After each request's first token (its prefill), every later token comes in a step all three share.
+    later = {name: times[1:] for name, times in stamps.items()}
+    assert all(len(times) == 4 for times in later.values())
+    for a_time in later["a"][2:]:  # by a's third step the others have joined its clock
+        assert any(abs(a_time - other) < 0.002 for other in later["b"])
+        assert any(abs(a_time - other) < 0.002 for other in later["c"])
+
+
+async def test_lockstep_abort_ends_the_stream_at_the_next_step() -> None:
+    engine = MockEngine(MockEngineConfig(lockstep=True, inter_token_s=0.02))
+    outputs: list[GenerateOutput] = []
+    async for output in engine.generate(GenerateRequest("l", [1, 2, 3], stop=StopConditions(max_tokens=100))):
+        outputs.append(output)
+        if len(outputs) == 2:
+            await engine.abort("l")
+    assert outputs[-1].finish_reason == FinishReason.CANCELLED and len(outputs) == 3
+    assert engine.load().kv_used_blocks == 0
+
+
 async def test_repeated_prefix_is_reported_cached_and_stored_blocks_are_announced() -> None:
     engine = MockEngine(MockEngineConfig(inter_token_s=0.0))
     events = engine.kv_events()

@@ -48,6 +48,9 @@ class MockEngineConfig(BaseSettings):
     ttft_per_prompt_token_s: float = Field(default=0.00002, ge=0)
     inter_token_s: float = Field(default=0.01, ge=0)
     max_running_requests: int = Field(default=64, ge=1)
+    # One clock for every running request, as a real engine steps its whole batch at once: all streams' tokens come
+    # in the same instant (and their frames go out together). Off: each request ticks on its own timer.
+    lockstep: bool = False
     block_size: int = Field(default=16, ge=1)
     kv_total_blocks: int = Field(default=4096, ge=1)
     context_length: int = Field(default=8192, ge=2)
@@ -67,6 +70,7 @@ class MockEngine:
         self._refs: dict[int, int] = {}
         self._kv_events = KvEventFanout()
         self._released: set[MemoryTag] = set()
+        self._clock = StepClock(config.inter_token_s) if config.lockstep and config.inter_token_s > 0 else None
         # No KV moves between mock engines: every one runs its prompts itself.
         self._info = EngineInfo(name="mock", model=config.model, context_length=config.context_length,
                                 eos_token_ids=(EOS_TOKEN_ID,), prefills_in_decode_role=True,
@@ -129,11 +133,18 @@ class MockEngine:
                     yield self._final(request, FinishReason.LENGTH, [token], produced, cached_tokens)
                     return
                 yield GenerateOutput(token_ids=[token], text=f" t{token}")
-                if await _cancelled_within(cancelled, self.config.inter_token_s):
+                if await self._cancelled_before_next_token(cancelled):
                     yield self._final(request, FinishReason.CANCELLED, [], produced, cached_tokens)
                     return
         finally:
             self._release(keys)
+
+    async def _cancelled_before_next_token(self, cancelled: asyncio.Event) -> bool:
+        if self._clock is None:
+            return await _cancelled_within(cancelled, self.config.inter_token_s)
+        # A cancel is seen at the next step, as a batch engine sees an abort between steps.
+        await self._clock.next_step()
+        return cancelled.is_set()
 
     def _next_token(self, previous: int, position: int) -> int:
         """Each token follows from the one before and its position, like a greedy model: a request that
@@ -248,6 +259,27 @@ class MockEngine:
 
     async def record_experts(self, action: ExpertRecording) -> None:
         raise UnsupportedOption("the mock engine has no mixture-of-experts layers to record")
+
+
+class StepClock:
+    """Steps every `interval_s` while anyone waits for one; every waiter of a step wakes in the same loop turn."""
+
+    def __init__(self, interval_s: float) -> None:
+        self._interval_s = interval_s
+        self._next_step: asyncio.Future[None] | None = None
+
+    async def next_step(self) -> None:
+        if self._next_step is None or self._next_step.done():
+            loop = asyncio.get_running_loop()
+            self._next_step = loop.create_future()
+            loop.call_later(self._interval_s, _resolve, self._next_step)
+        # Shielded: one waiter cancelled (its task torn down) must not cancel the step for the others.
+        await asyncio.shield(self._next_step)
+
+
+def _resolve(step: asyncio.Future[None]) -> None:
+    if not step.done():
+        step.set_result(None)
 
 
 async def _cancelled_within(cancelled: asyncio.Event, delay_s: float) -> bool:
