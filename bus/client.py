@@ -77,6 +77,11 @@ class PipelineClient:
         # server lets a client cancel only there.
         await send_cancel(self._js, self._names, request_id, reason, scope_of(self._nc.new_inbox()))
 
+    @property
+    def registry_ttl_s(self) -> float:
+        """How long a worker's card outlives its last heartbeat (the registry bucket's TTL)."""
+        return self._settings.registry_ttl_s
+
     async def live_workers(self) -> list[WorkerCard]:
         bucket = await ensure_registry_bucket(self._js, self._names, self._settings)
         return await live_workers(bucket)

@@ -137,8 +137,8 @@ class RegistryView:
     card: 2 ms of the first token after a quiet second (docs/performance.md, twenty-fifth stop).
     """
 
-    def __init__(self, read: Callable[[], Awaitable[list[WorkerCard]]], *, refresh_after_s: float = 1.0,
-                 stale_limit_s: float = 10.0, on_read: Callable[[list[WorkerCard]], None] | None = None) -> None:
+    def __init__(self, read: Callable[[], Awaitable[list[WorkerCard]]], *, refresh_after_s: float,
+                 stale_limit_s: float, on_read: Callable[[list[WorkerCard]], None] | None = None) -> None:
         self._read = read
         self._refresh_after_s = refresh_after_s
         self._stale_limit_s = stale_limit_s

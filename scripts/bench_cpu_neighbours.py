@@ -57,9 +57,9 @@ def clock_mhz(cpu: int) -> float | None:
     except OSError:
         return None
     for block in blocks:
-        fields = dict(line.split(":", 1) for line in block.splitlines() if ":" in line)
-        if fields.get("processor\t", "").strip() == str(cpu) and "cpu MHz\t\t" in fields:
-            return float(fields["cpu MHz\t\t"])
+        fields = {name.strip(): value.strip() for name, _, value in (line.partition(":") for line in block.splitlines())}
+        if fields.get("processor") == str(cpu) and "cpu MHz" in fields:
+            return float(fields["cpu MHz"])
     return None
 
 
@@ -73,7 +73,7 @@ def scheduler_like_round(batch_size: int = 64) -> int:
     return len(pickle.dumps([(r["rid"], r["output_ids"][-1], r["finished"]) for r in requests]))
 
 
-def measure(cpu: int, window_s: float) -> Reading:
+def rounds_per_s(cpu: int, window_s: float) -> float:
     os.sched_setaffinity(0, {cpu})
     rounds = 0
     deadline = time.perf_counter() + window_s
@@ -81,7 +81,7 @@ def measure(cpu: int, window_s: float) -> Reading:
         for _ in range(50):
             scheduler_like_round()
         rounds += 50
-    return Reading("", 0, rounds / window_s, clock_mhz(cpu))
+    return rounds / window_s
 
 
 def busy(kind: str, cpu: int, stop: mp.Event) -> None:
@@ -103,13 +103,14 @@ def reading_with_neighbours(kind: str, busy_cpus: list[int], measured_cpu: int, 
     for helper in helpers:
         helper.start()
     time.sleep(SETTLE_S + (0.5 if helpers and kind == "memory" else 0.0))  # the memory helpers allocate first
-    reading = measure(measured_cpu, window_s)
+    rate = rounds_per_s(measured_cpu, window_s)
+    clock = clock_mhz(measured_cpu)
     stop.set()
     for helper in helpers:
         helper.join(timeout=5)
         if helper.is_alive():
             helper.kill()
-    return Reading(kind, len(busy_cpus), reading.rounds_per_s, reading.clock_mhz)
+    return Reading(kind, len(busy_cpus), rate, clock)
 
 
 def plan(cores: list[list[int]], wanted: list[int]) -> tuple[int, list[int], list[int]]:

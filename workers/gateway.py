@@ -251,7 +251,8 @@ class Gateway:
     def __init__(self, client: PipelineClient, options: GatewayOptions) -> None:
         self._client = client
         self._options = options
-        self._view = RegistryView(client.live_workers, refresh_after_s=_MODELS_REFRESH_S)
+        self._view = RegistryView(client.live_workers, refresh_after_s=_MODELS_REFRESH_S,
+                                  stale_limit_s=client.registry_ttl_s)
         # The ready models of the view's last cards (worked out again only when the view has new ones).
         self._ready_of: tuple[list[WorkerCard], dict[str, Any]] | None = None
         self.app = web.Application(middlewares=[self._errors])
