@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _DECODE = re.compile(r"Decode batch.*?#running-req: (\d+).*?gen throughput \(token/s\): ([\d.]+)")
-_PREFILL = re.compile(r"Prefill batch.*?#new-seq: (\d+), #new-token: (\d+)")
+_PREFILL = re.compile(r"Prefill batch.*?#new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+)")
+# A full pool evicts on the step path (a walk over the radix tree's leaves): how full each engine's pool ran.
+_USAGE = re.compile(r"Decode batch.*?#running-req: (\d+).*?token usage: ([\d.]+)")
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,9 @@ class EngineSteps:
     steps_per_s_per_request: float  # median of tokens/s over running requests, window by window
     prefill_batches: int
     sequences_per_prefill: float
+    new_tokens_per_prefill: float  # prompt tokens computed per prefill batch (cached ones not)
+    cached_tokens_per_prefill: float  # prompt tokens found in the radix cache per prefill batch
+    mean_token_usage: float  # the KV pool's fill over the loaded windows, 0-1
 
 
 def read_lines(path: Path) -> list[str]:
@@ -48,7 +53,8 @@ def engine_steps(name: str, lines: list[str], min_running: int) -> EngineSteps:
     loaded = [(running, rate) for running, rate in windows if running >= min_running]
     if not loaded:
         raise SystemExit(f"{name}: no decode line with {min_running}+ running requests (does it log at info?)")
-    prefills = [int(m[1]) for line in lines if (m := _PREFILL.search(line))]
+    prefills = [(int(m[1]), int(m[2]), int(m[3])) for line in lines if (m := _PREFILL.search(line))]
+    usage = [float(m[2]) for line in lines if (m := _USAGE.search(line)) and int(m[1]) >= min_running]
     return EngineSteps(
         name=name,
         windows=len(loaded),
@@ -56,7 +62,10 @@ def engine_steps(name: str, lines: list[str], min_running: int) -> EngineSteps:
         tokens_per_s=statistics.median(rate for _, rate in loaded),
         steps_per_s_per_request=statistics.median(rate / running for running, rate in loaded),
         prefill_batches=len(prefills),
-        sequences_per_prefill=statistics.fmean(prefills) if prefills else 0.0,
+        sequences_per_prefill=statistics.fmean(seqs for seqs, _, _ in prefills) if prefills else 0.0,
+        new_tokens_per_prefill=statistics.fmean(new for _, new, _ in prefills) if prefills else 0.0,
+        cached_tokens_per_prefill=statistics.fmean(cached for _, _, cached in prefills) if prefills else 0.0,
+        mean_token_usage=statistics.fmean(usage) if usage else 0.0,
     )
 
 
@@ -76,13 +85,15 @@ def main() -> None:
     engines = [engine_steps(name, read_lines(path), args.min_running) for name, path in args.logs]
     base = engines[0]
     print(f"{'engine':<12} {'windows':>7} {'running':>8} {'tok/s':>14} {'steps/s per request':>22} "
-          f"{'prefills':>9} {'seqs/prefill':>12}")
+          f"{'prefills':>9} {'seqs/prefill':>12} {'new tok/prefill':>15} {'cached tok/prefill':>18} {'pool used':>9}")
     for engine in engines:
         ratio = "" if engine is base else f" {engine.tokens_per_s / base.tokens_per_s:.2f}x"
         step_ratio = "" if engine is base else f" {engine.steps_per_s_per_request / base.steps_per_s_per_request:.2f}x"
         print(f"{engine.name:<12} {engine.windows:>7} {engine.mean_running:>8.1f} "
               f"{engine.tokens_per_s:>8.0f}{ratio:<6} {engine.steps_per_s_per_request:>15.1f}{step_ratio:<7} "
-              f"{engine.prefill_batches:>9} {engine.sequences_per_prefill:>12.2f}")
+              f"{engine.prefill_batches:>9} {engine.sequences_per_prefill:>12.2f} "
+              f"{engine.new_tokens_per_prefill:>15.0f} {engine.cached_tokens_per_prefill:>18.0f} "
+              f"{engine.mean_token_usage:>9.2f}")
 
 
 if __name__ == "__main__":

@@ -72,6 +72,8 @@ def test_sglang_step_rates_are_read_from_loaded_windows_only(tmp_path: Path) -> 
     assert engine.tokens_per_s == 9000.0
     assert engine.steps_per_s_per_request == 145.0  # median of 150 and 140
     assert (engine.prefill_batches, engine.sequences_per_prefill) == (1, 2.0)
+    assert (engine.new_tokens_per_prefill, engine.cached_tokens_per_prefill) == (900.0, 0.0)
+    assert engine.mean_token_usage == 0.13  # the loaded windows' fill, not the warm-up's
 
 
 def test_sglang_settings_are_read_field_by_field_from_the_logged_line(tmp_path: Path) -> None:
