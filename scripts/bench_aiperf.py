@@ -3,7 +3,8 @@
 Both servers must already be running (docs/gpu.md: `scripts/gpu_hold.sh server`, then `stack a`). For each
 concurrency and round, `aiperf profile` streams chat completions at each URL in turn, in its own processes, with the
 same synthetic prompts (one seed per round and level, fresh per run; each round runs the last one's order in
-reverse, so that each system runs before and after each other one equally often). The prompt and output lengths
+reverse, so that each system runs before and after each other one equally often; with --together all systems run
+at once, each round's ratio then paired in time). The prompt and output lengths
 follow issue 11: 128–1024 prompt tokens, 128–512 output tokens (`ignore_eos`, so every request runs to its length on
 either server). It prints each system's median round and its ratios to the first URL,
 and each round's tok/s ratio and ITL p99 beside its TTFT p50.
@@ -72,22 +73,29 @@ def aiperf_command(args: argparse.Namespace, url: str, concurrency: int, seed: i
     ] + (["--workers-max", str(args.workers_max)] if args.workers_max else [])
 
 
-def run_aiperf(args: argparse.Namespace, url: str, concurrency: int, seed: int, out_dir: Path) -> dict[str, float]:
-    """One aiperf run; the measures of its summary. A failed run, or one with failed requests, stops the benchmark:
-    a ratio over a partial run would be meaningless."""
+def start_aiperf(args: argparse.Namespace, url: str, concurrency: int, seed: int, out_dir: Path) -> subprocess.Popen:
     out_dir.mkdir(parents=True, exist_ok=True)
-    command = aiperf_command(args, url, concurrency, seed, out_dir)
-    started_s = time.monotonic()
     # aiperf's offline mode looks a tokenizer up in the HF cache even when it is given a folder; without it, a local
     # folder loads with no network access (scripts/gpu_run.sh sets both variables for SGLang).
     env = {key: value for key, value in os.environ.items() if key not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     with open(out_dir / "aiperf.log", "wb") as log:
-        completed = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=args.run_timeout_s,
-                                   check=False, env=env)
+        return subprocess.Popen(aiperf_command(args, url, concurrency, seed, out_dir), stdout=log,
+                                stderr=subprocess.STDOUT, env=env)
+
+
+def finish_aiperf(args: argparse.Namespace, process: subprocess.Popen, url: str, out_dir: Path,
+                  started_s: float) -> dict[str, float]:
+    """Wait for one aiperf run; the measures of its summary. A failed run, or one with failed requests, stops the
+    benchmark: a ratio over a partial run would be meaningless."""
+    try:
+        returncode = process.wait(timeout=max(1.0, started_s + args.run_timeout_s - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise RuntimeError(f"aiperf against {url} ran past --run-timeout-s {args.run_timeout_s:.0f}") from None
     summary_path = out_dir / "profile_export_aiperf.json"
-    if completed.returncode != 0 or not summary_path.exists():
+    if returncode != 0 or not summary_path.exists():
         tail = (out_dir / "aiperf.log").read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"aiperf exited {completed.returncode} against {url}; its log ends:\n{tail}")
+        raise RuntimeError(f"aiperf exited {returncode} against {url}; its log ends:\n{tail}")
     summary = json.loads(summary_path.read_text())
     error_rate = summary.get("request_error_rate", {}).get("avg", 0.0)
     if error_rate:
@@ -95,6 +103,28 @@ def run_aiperf(args: argparse.Namespace, url: str, concurrency: int, seed: int, 
     load_s = float(summary["benchmark_duration"]["avg"])
     say(f"  aiperf took {time.monotonic() - started_s:.0f} s, {load_s:.0f} s of it under load")
     return {name: float(summary[metric][statistic]) for name, (metric, statistic) in MEASURES.items()}
+
+
+def run_aiperf(args: argparse.Namespace, url: str, concurrency: int, seed: int, out_dir: Path) -> dict[str, float]:
+    """One aiperf run on its own; the measures of its summary."""
+    started_s = time.monotonic()
+    return finish_aiperf(args, start_aiperf(args, url, concurrency, seed, out_dir), url, out_dir, started_s)
+
+
+def run_together(args: argparse.Namespace, urls: dict[str, str], concurrency: int, seed: int,
+                 out_dirs: dict[str, Path]) -> dict[str, dict[str, float]]:
+    """One aiperf run per system, all at once: each system's measures. The systems share the machine's CPUs and the
+    GPU while they run, so a drift in the machine's speed (an H200 guest's single-thread speed swings by a third
+    from minute to minute: docs/performance.md) falls on all of them alike."""
+    started_s = time.monotonic()
+    processes = {name: start_aiperf(args, url, concurrency, seed, out_dirs[name]) for name, url in urls.items()}
+    try:
+        return {name: finish_aiperf(args, process, urls[name], out_dirs[name], started_s)
+                for name, process in processes.items()}
+    finally:
+        for process in processes.values():  # one failed: the others' results no longer pair with it
+            if process.poll() is None:
+                process.kill()
 
 
 def print_level(concurrency: int, rounds: dict[str, list[dict[str, float]]]) -> None:
@@ -150,6 +180,10 @@ def main() -> None:
     parser.add_argument("--seed-base", type=int, default=None,
                         help="repeat a run's prompts (default: drawn afresh, and printed)")
     parser.add_argument("--run-timeout-s", type=float, default=600.0)
+    parser.add_argument("--together", action="store_true",
+                        help="run every system's aiperf at the same time in each round, with the same prompts: "
+                             "the systems share the machine, and its drift in speed between rounds cancels out of "
+                             "each round's ratio (default: one system after another)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench-aiperf"))
     args = parser.parse_args()
     args.model_name = args.model_name or args.tokenizer
@@ -171,10 +205,16 @@ def main() -> None:
         rounds: dict[str, list[dict[str, float]]] = {name: [] for name in urls}
         for round_index in range(args.rounds):
             seed = seed_base + 1000 * concurrency + round_index
-            for name in round_order(list(urls), round_index):
-                out_dir = args.out / f"c{concurrency}" / f"r{round_index}" / name
-                say(f"concurrency {concurrency}, round {round_index + 1}/{args.rounds}: {name}")
-                row = run_aiperf(args, urls[name], concurrency, seed, out_dir)
+            out_dirs = {name: args.out / f"c{concurrency}" / f"r{round_index}" / name for name in urls}
+            if args.together:
+                say(f"concurrency {concurrency}, round {round_index + 1}/{args.rounds}: {', '.join(urls)} together")
+                rows = run_together(args, urls, concurrency, seed, out_dirs)
+            else:
+                rows = {}
+                for name in round_order(list(urls), round_index):
+                    say(f"concurrency {concurrency}, round {round_index + 1}/{args.rounds}: {name}")
+                    rows[name] = run_aiperf(args, urls[name], concurrency, seed, out_dirs[name])
+            for name, row in rows.items():
                 rounds[name].append(row)
                 say(f"  {name}: " + ", ".join(f"{key} {value:.1f}" for key, value in row.items()))
         results[concurrency] = rounds

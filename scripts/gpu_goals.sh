@@ -18,6 +18,7 @@
 #   serving   scripts/bench_vs_sglang.py: bench_serving's bursts at 64 streams, with the server's own control
 # GOALS_STEPS picks and orders them (default: all, in the order above). GOALS_ALSO="NAME=URL ..." adds targets to
 # the aiperf, ttft, streams and onestream steps, measured in the same rounds (GOALS_ALSO=b=http://127.0.0.1:8001).
+# GOALS_TOGETHER=1 runs the aiperf step's systems at the same time in each round (bench_aiperf.py --together).
 # GOALS_REQUESTS_PER_STREAM (default 4) lengthens each aiperf run: at 4, a 64-stream run is 7-9 s under load in 40 s.
 # A step that fails is logged and the next one runs. While the run lasts, top's busiest processes are logged every
 # 2 s (top.log), so a slow round can be read against what else ran. /tmp/goals/done marks the end.
@@ -41,7 +42,7 @@ run_step() {  # run_step NAME ROUNDS
         aiperf) step aiperf python3 scripts/bench_aiperf.py --tokenizer .gpu/smol "sglang=$server" "conveyor=$stack" \
                     "${also_named[@]}" \
                     --concurrency ${GOALS_LEVELS:-64 256 16 1} --rounds "$2" --workers-max 4 --out "$dir/aiperf" \
-                    --requests-per-stream "${GOALS_REQUESTS_PER_STREAM:-4}" ;;
+                    --requests-per-stream "${GOALS_REQUESTS_PER_STREAM:-4}" ${GOALS_TOGETHER:+--together} ;;
         ttft) step ttft python3 scripts/bench_ttft.py --model .gpu/smol "$server" "$stack" "${also_urls[@]}" ;;
         streams) step streams python3 scripts/bench_ttft.py --model .gpu/smol --requests 60 --min-tokens 128 \
                      --max-tokens 512 --progress-every 20 "$server" "$stack" "${also_urls[@]}" ;;

@@ -1,6 +1,7 @@
 """The measuring tools in scripts/ that the GPU runs depend on: what they read, they read right."""
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -134,3 +135,36 @@ def test_cpu_neighbours_workload_runs_and_reports_per_kind(capsys: pytest.Captur
     lines = capsys.readouterr().out.splitlines()
     assert any(line.split()[:4] == ["spin", "2", "80", "0.80x"] for line in lines)
     assert any(line.split()[:4] == ["memory", "2", "60", "1.20x"] for line in lines)
+
+
+def test_aiperf_runs_together_overlap_in_time_and_each_keeps_its_own_summary(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A stand-in for aiperf's command line (the real client needs a server): it notes when it ran and writes the
+    # summary aiperf writes, with the URL's port as its token rate.
+    fake = tmp_path / "fake" / "aiperf"
+    fake.mkdir(parents=True)
+    fake.joinpath("__init__.py").write_text("")
+    fake.joinpath("__main__.py").write_text(
+        "import json, sys, time\n"
+        "from pathlib import Path\n"
+        "argv = sys.argv[1:]\n"
+        "out = Path(argv[argv.index('--output-artifact-dir') + 1])\n"
+        "port = int(argv[argv.index('--url') + 1].rsplit(':', 1)[1])\n"
+        "started = time.time(); time.sleep(0.5)\n"
+        "out.joinpath('ran.json').write_text(json.dumps([started, time.time()]))\n"
+        "stat = lambda value: {'avg': value, 'p50': value, 'p99': value}\n"
+        "out.joinpath('profile_export_aiperf.json').write_text(json.dumps({\n"
+        "    'output_token_throughput': stat(port), 'time_to_first_token': stat(20.0),\n"
+        "    'inter_token_latency': stat(4.0), 'inter_chunk_latency': stat(5.0),\n"
+        "    'benchmark_duration': stat(0.5), 'request_error_rate': stat(0.0)}))\n")
+    monkeypatch.setenv("PYTHONPATH", str(fake.parent))
+    bench = _script("bench_aiperf")
+    args = bench.argparse.Namespace(model_name="m", tokenizer=str(tmp_path), min_requests=16, requests_per_stream=4,
+                                    workers_max=None, run_timeout_s=30.0)
+    urls = {"sglang": "http://127.0.0.1:30000", "conveyor": "http://127.0.0.1:8000"}
+    out_dirs = {name: tmp_path / name for name in urls}
+    rows = bench.run_together(args, urls, 64, 7, out_dirs)
+    assert {name: row["tok/s"] for name, row in rows.items()} == {"sglang": 30000.0, "conveyor": 8000.0}
+    (first_start, first_end), (second_start, second_end) = (
+        json.loads((out_dirs[name] / "ran.json").read_text()) for name in urls)
+    assert first_start < second_end and second_start < first_end  # the two runs overlapped
