@@ -21,7 +21,8 @@
 # GOALS_TOGETHER=1 runs the aiperf step's systems at the same time in each round (bench_aiperf.py --together).
 # GOALS_REQUESTS_PER_STREAM (default 4) lengthens each aiperf run: at 4, a 64-stream run is 7-9 s under load in 40 s.
 # A step that fails is logged and the next one runs. While the run lasts, top's busiest processes are logged every
-# 2 s (top.log), so a slow round can be read against what else ran. /tmp/goals/done marks the end.
+# 2 s (top.log), so a slow round can be read against what else ran, and how long each SGLang scheduler waited for a
+# CPU (sched.log; `wait` summarizes it in sched-wait.txt). /tmp/goals/done marks the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=/tmp/goals
@@ -68,8 +69,13 @@ run_all() {
     local keep='/^top -/ { n = 0 } { n++; if (n == 1 || n == 3 || (n >= 7 && n <= 22)) print; fflush() }'
     top -b -c -d 2 -w 200 | awk "$keep" > "$dir/top.log" 2>&1 &
     local monitor=$!
+    # How long each SGLang scheduler waited for a CPU while it had work (scripts/sched_wait.py).
+    python3 scripts/sched_wait.py --out "$dir/sched.log" > "$dir/sched-wait.err" 2>&1 &
+    local sampler=$!
     for name in ${GOALS_STEPS:-aiperf ttft streams scale fanin serving}; do run_step "$name" "$rounds"; done
     kill "$monitor" 2>/dev/null || true
+    pkill -f "sched_wait[.]py --out $dir" 2>/dev/null || true
+    kill "$sampler" 2>/dev/null || true
     touch "$dir/done"
 }
 
@@ -122,6 +128,10 @@ case "${1:-}" in
             # How fast each engine itself stepped, apart from what the pipeline does with its tokens.
             python3 scripts/sglang_steps.py "${engines[@]}" --min-running 32 > "$out/engine-steps.txt" 2>&1 || true
             cat "$out/engine-steps.txt"
+        fi
+        if [ -s "$dir/sched.log" ]; then  # each scheduler's wait for a CPU, over its loaded intervals
+            python3 scripts/sched_wait.py --summary "$dir/sched.log" > "$out/sched-wait.txt" 2>&1 || true
+            cat "$out/sched-wait.txt"
         fi
         if grep -q "server_args=ServerArgs(" /tmp/sglang-server.log 2>/dev/null; then
             # The two engines' settings, where they differ (each logs them at start when at info).

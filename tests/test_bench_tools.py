@@ -168,3 +168,33 @@ def test_aiperf_runs_together_overlap_in_time_and_each_keeps_its_own_summary(
     (first_start, first_end), (second_start, second_end) = (
         json.loads((out_dirs[name] / "ran.json").read_text()) for name in urls)
     assert first_start < second_end and second_start < first_end  # the two runs overlapped
+
+
+def test_sched_wait_reads_a_busy_process_cpu_and_names_it_by_its_command_line(tmp_path: Path) -> None:
+    import subprocess
+    sched_wait = _script("sched_wait")
+    marker = f"sched-wait-test-{tmp_path.name}"
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 4\nwhile time.time() < end: pass",
+                             marker])
+    try:
+        log = tmp_path / "sched.log"
+        sched_wait.sample(log, f"{sys.executable} -c", [("busy", marker)], interval_s=0.5, max_samples=4)
+    finally:
+        busy.kill()
+        busy.wait()
+    mine = [line for line in log.read_text().splitlines() if line.split()[2] == str(busy.pid)]
+    assert len(mine) >= 2  # four samples, three intervals (the first may come before the child's exec)
+    assert all(line.split()[1] == "busy" for line in mine)
+    [row] = sched_wait.summarize(mine, min_cpu_percent=30.0)
+    assert row.label == "busy" and row.intervals >= 2
+    assert 30.0 <= row.cpu_percent <= 101.0
+    assert row.wait_percent >= 0.0 and row.switches_per_s >= 0.0 and row.cpus_seen >= 1
+
+
+def test_sched_wait_summary_keeps_loaded_intervals_only() -> None:
+    summarize = _script("sched_wait").summarize
+    lines = ["10:00:00 server 5 99.0 1.0 10 3", "10:00:02 server 5 98.0 3.0 30 4", "10:00:04 server 5 2.0 0.0 1 4",
+             "10:00:00 conveyor 9 97.0 9.0 400 7", "not a sample line"]
+    rows = {row.label: row for row in summarize(lines, min_cpu_percent=60.0)}
+    assert rows["server"].intervals == 2 and rows["server"].wait_percent == 2.0 and rows["server"].cpus_seen == 2
+    assert rows["conveyor"].switches_per_s == 400.0
