@@ -24,6 +24,8 @@ from pathlib import Path
 
 _DECODE = re.compile(r"Decode batch.*?#running-req: (\d+).*?gen throughput \(token/s\): ([\d.]+)")
 _PREFILL = re.compile(r"Prefill batch.*?#new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+)")
+# SGLang stamps each line with its local time: [2026-11-26 04:27:34] (a scheduler's line may carry a rank after it).
+_STAMP = re.compile(r"^\[\d{4}-\d\d-\d\d (\d\d):(\d\d):(\d\d)")
 # A full pool evicts on the step path (a walk over the radix tree's leaves): how full each engine's pool ran.
 _USAGE = re.compile(r"Decode batch.*?#running-req: (\d+).*?token usage: ([\d.]+)")
 
@@ -69,6 +71,34 @@ def engine_steps(name: str, lines: list[str], min_running: int) -> EngineSteps:
     )
 
 
+def steps_by_time(lines: list[str], min_running: int, bucket_s: int) -> dict[int, float]:
+    """Median steps/s per running request in each bucket_s of the clock (key: the bucket's start, seconds since
+    midnight), from loaded windows only: engines measured at the same time (bench_aiperf.py --together) compare
+    bucket by bucket, and engines measured in turn show how far one engine's rate moved between rounds."""
+    buckets: dict[int, list[float]] = {}
+    for line in lines:
+        decode, stamp = _DECODE.search(line), _STAMP.search(line)
+        if decode and stamp and int(decode[1]) >= min_running:
+            second = int(stamp[1]) * 3600 + int(stamp[2]) * 60 + int(stamp[3])
+            buckets.setdefault(second - second % bucket_s, []).append(float(decode[2]) / int(decode[1]))
+    return {start: statistics.median(rates) for start, rates in sorted(buckets.items())}
+
+
+def print_by_time(names: list[str], rates: list[dict[int, float]], bucket_s: int) -> None:
+    print(f"\nsteps/s per request, {bucket_s} s buckets (ratio: each over {names[0]}, where both ran)")
+    print(f"{'from':<8} " + " ".join(f"{name:>14}" for name in names))
+    for start in sorted(set().union(*rates)):
+        cells = []
+        for index, engine_rates in enumerate(rates):
+            if start not in engine_rates:
+                cells.append(f"{'':>14}")
+            elif index == 0 or start not in rates[0]:
+                cells.append(f"{engine_rates[start]:>14.0f}")
+            else:
+                cells.append(f"{engine_rates[start]:>8.0f} {engine_rates[start] / rates[0][start]:.2f}x")
+        print(f"{start // 3600:02d}:{start % 3600 // 60:02d}:{start % 60:02d} " + " ".join(cells))
+
+
 def named_path(text: str) -> tuple[str, Path]:
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
@@ -80,9 +110,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("logs", nargs="+", type=named_path, help="NAME=PATH of an engine's batch lines")
     parser.add_argument("--min-running", type=int, default=32, help="fewest running requests a window counts with")
+    parser.add_argument("--by-time", type=int, metavar="SECONDS", default=0,
+                        help="also each engine's rate in buckets of this many seconds of the clock, side by side")
     args = parser.parse_args()
 
-    engines = [engine_steps(name, read_lines(path), args.min_running) for name, path in args.logs]
+    logs = {name: read_lines(path) for name, path in args.logs}
+    engines = [engine_steps(name, lines, args.min_running) for name, lines in logs.items()]
     base = engines[0]
     print(f"{'engine':<12} {'windows':>7} {'running':>8} {'tok/s':>14} {'steps/s per request':>22} "
           f"{'prefills':>9} {'seqs/prefill':>12} {'new tok/prefill':>15} {'cached tok/prefill':>18} {'pool used':>9}")
@@ -94,6 +127,9 @@ def main() -> None:
               f"{engine.prefill_batches:>9} {engine.sequences_per_prefill:>12.2f} "
               f"{engine.new_tokens_per_prefill:>15.0f} {engine.cached_tokens_per_prefill:>18.0f} "
               f"{engine.mean_token_usage:>9.2f}")
+    if args.by_time:
+        rates = [steps_by_time(lines, args.min_running, args.by_time) for lines in logs.values()]
+        print_by_time(list(logs), rates, args.by_time)
 
 
 if __name__ == "__main__":

@@ -198,3 +198,16 @@ def test_sched_wait_summary_keeps_loaded_intervals_only() -> None:
     rows = {row.label: row for row in summarize(lines, min_cpu_percent=60.0)}
     assert rows["server"].intervals == 2 and rows["server"].wait_percent == 2.0 and rows["server"].cpus_seen == 2
     assert rows["conveyor"].switches_per_s == 400.0
+
+
+def test_sglang_step_rates_by_time_bucket_pair_engines_that_ran_together(tmp_path: Path) -> None:
+    steps = _script("sglang_steps")
+    lines = [
+        "[2026-11-26 04:28:41] Decode batch, #running-req: 64, token usage: 0.1, gen throughput (token/s): 12800.00\n",
+        "[2026-11-26 04:28:59] Decode batch, #running-req: 64, token usage: 0.1, gen throughput (token/s): 6400.00\n",
+        "[2026-11-26 04:28:50] Decode batch, #running-req: 8, token usage: 0.1, gen throughput (token/s): 9000.00\n",
+        "[2026-11-26 04:29:05] Decode batch, #running-req: 50, token usage: 0.1, gen throughput (token/s): 5000.00\n",
+    ]
+    rates = steps.steps_by_time(lines, min_running=32, bucket_s=20)
+    start = 4 * 3600 + 28 * 60 + 40
+    assert rates == {start: 150.0, start + 20: 100.0}  # the median of 200 and 100; the 8-request window left out
