@@ -69,6 +69,11 @@ run_all() {
     local keep='/^top -/ { n = 0 } { n++; if (n == 1 || n == 3 || (n >= 7 && n <= 22)) print; fflush() }'
     top -b -c -d 2 -w 200 | awk "$keep" > "$dir/top.log" 2>&1 &
     local monitor=$!
+    # Which processes hold a context on the GPU (a context that launches work time-slices the GPU with the engine's):
+    # each with its command line.
+    nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>/dev/null | while IFS=, read -r pid memory; do
+        echo "$pid,$memory, $(tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | cut -c1-150)"
+    done > "$dir/gpu-apps.log" || true
     # How long each SGLang scheduler waited for a CPU while it had work (scripts/sched_wait.py).
     python3 scripts/sched_wait.py --out "$dir/sched.log" > "$dir/sched-wait.err" 2>&1 &
     local sampler=$!
