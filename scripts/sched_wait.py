@@ -11,6 +11,8 @@ instead of argued.
 
     python3 scripts/sched_wait.py --out /tmp/sched.log &                 # sample every 2 s until stopped
     python3 scripts/sched_wait.py --summary /tmp/sched.log               # per scheduler, its loaded intervals
+    python3 scripts/sched_wait.py --list                                 # NAME=PID of each, e.g. for py-spy:
+    python3 scripts/profile_processes.py $(python3 scripts/sched_wait.py --list) --when-busy server --duration-s 15
 
 Each scheduler is named by the first --label whose pattern appears in its own or an ancestor's command line, nearest
 ancestor first (defaults: gpu_hold.sh's server and stacks a and b); others by their pid. `scripts/gpu_goals.sh` runs
@@ -161,6 +163,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="sample until stopped, appending to this file")
     parser.add_argument("--summary", type=Path, help="summarize a file written with --out")
+    parser.add_argument("--list", action="store_true", help="print NAME=PID of each scheduler running now")
     parser.add_argument("--title", default="sglang::scheduler",
                         help="the start of the sampled processes' command lines (SGLang sets its schedulers')")
     parser.add_argument("--label", type=parse_label, action="append",
@@ -169,16 +172,18 @@ def main() -> None:
     parser.add_argument("--min-cpu-percent", type=float, default=60.0,
                         help="intervals with less CPU than this are idle or warm-up, and left out of the summary")
     args = parser.parse_args()
+    labels = args.label or [parse_label(text) for text in DEFAULT_LABELS]
     if args.summary:
         print_summary(summarize(args.summary.read_text().splitlines(), args.min_cpu_percent))
+    elif args.list:
+        print(" ".join(f"{label_for(pid, labels)}={pid}" for pid in find(args.title)))
     elif args.out:
-        labels = args.label or [parse_label(text) for text in DEFAULT_LABELS]
         try:
             sample(args.out, args.title, labels, args.interval_s)
         except KeyboardInterrupt:
             pass
     else:
-        parser.error("--out or --summary")
+        parser.error("--out, --summary or --list")
     sys.stdout.flush()
 
 
