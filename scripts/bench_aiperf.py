@@ -196,10 +196,15 @@ def main() -> None:
     # Warm-up prompts get seeds below every level's (seed_base + 1000 * concurrency + round), so no counted run
     # finds them cached.
     for warmup_index in range(args.warmup_runs):
+        seed = seed_base + 999 - warmup_index
+        out_dirs = {name: args.out / "warmup" / f"{name}-{warmup_index}" for name in urls}
+        if args.together:  # as the rounds run: a profiler waiting for load then opens on both systems at once
+            say(f"warm-up {warmup_index + 1}/{args.warmup_runs} at concurrency {args.concurrency[0]}: together")
+            run_together(args, urls, args.concurrency[0], seed, out_dirs)
+            continue
         for name, url in urls.items():
             say(f"warm-up {warmup_index + 1}/{args.warmup_runs} at concurrency {args.concurrency[0]}: {name}")
-            run_aiperf(args, url, args.concurrency[0], seed_base + 999 - warmup_index,
-                       args.out / "warmup" / f"{name}-{warmup_index}")
+            run_aiperf(args, url, args.concurrency[0], seed, out_dirs[name])
     results: dict[int, dict[str, list[dict[str, float]]]] = {}
     for concurrency in args.concurrency:
         rounds: dict[str, list[dict[str, float]]] = {name: [] for name in urls}

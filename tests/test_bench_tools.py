@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -137,10 +138,10 @@ def test_cpu_neighbours_workload_runs_and_reports_per_kind(capsys: pytest.Captur
     assert any(line.split()[:4] == ["memory", "2", "60", "1.20x"] for line in lines)
 
 
-def test_aiperf_runs_together_overlap_in_time_and_each_keeps_its_own_summary(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # A stand-in for aiperf's command line (the real client needs a server): it notes when it ran and writes the
-    # summary aiperf writes, with the URL's port as its token rate.
+@pytest.fixture
+def fake_aiperf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stand-in for aiperf's command line on PYTHONPATH (the real client needs a server): it notes when it ran and
+    writes the summary aiperf writes, with the URL's port as its token rate."""
     fake = tmp_path / "fake" / "aiperf"
     fake.mkdir(parents=True)
     fake.joinpath("__init__.py").write_text("")
@@ -158,6 +159,10 @@ def test_aiperf_runs_together_overlap_in_time_and_each_keeps_its_own_summary(
         "    'inter_token_latency': stat(4.0), 'inter_chunk_latency': stat(5.0),\n"
         "    'benchmark_duration': stat(0.5), 'request_error_rate': stat(0.0)}))\n")
     monkeypatch.setenv("PYTHONPATH", str(fake.parent))
+
+
+def test_aiperf_runs_together_overlap_in_time_and_each_keeps_its_own_summary(
+        tmp_path: Path, fake_aiperf: None) -> None:
     bench = _script("bench_aiperf")
     args = bench.argparse.Namespace(model_name="m", tokenizer=str(tmp_path), min_requests=16, requests_per_stream=4,
                                     workers_max=None, run_timeout_s=30.0)
@@ -171,7 +176,6 @@ def test_aiperf_runs_together_overlap_in_time_and_each_keeps_its_own_summary(
 
 
 def test_sched_wait_reads_a_busy_process_cpu_and_names_it_by_its_command_line(tmp_path: Path) -> None:
-    import subprocess
     sched_wait = _script("sched_wait")
     marker = f"sched-wait-test-{tmp_path.name}"
     busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 4\nwhile time.time() < end: pass",
@@ -211,3 +215,15 @@ def test_sglang_step_rates_by_time_bucket_pair_engines_that_ran_together(tmp_pat
     rates = steps.steps_by_time(lines, min_running=32, bucket_s=20)
     start = 4 * 3600 + 28 * 60 + 40
     assert rates == {start: 150.0, start + 20: 100.0}  # the median of 200 and 100; the 8-request window left out
+
+
+def test_aiperf_together_runs_warm_up_and_rounds_at_once_and_reports_ratios(tmp_path: Path, fake_aiperf: None) -> None:
+    completed = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_aiperf.py"), "--tokenizer", str(tmp_path), "--together",
+         "--concurrency", "4", "--rounds", "2", "sglang=http://127.0.0.1:30000", "conveyor=http://127.0.0.1:15000",
+         "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=60, check=True)
+    assert "warm-up 1/1 at concurrency 4: together" in completed.stderr
+    assert "round 2/2: sglang, conveyor together" in completed.stderr
+    assert "tok/s ratio by round: 0.50×, 0.50×" in completed.stdout  # 15000 / 30000 in each round
+    for run in ("warmup/sglang-0", "warmup/conveyor-0", "c4/r1/sglang", "c4/r1/conveyor"):
+        assert (tmp_path / "out" / run / "profile_export_aiperf.json").exists()
