@@ -91,6 +91,8 @@ case "${1:-}" in
         echo "[gpu-goals $(date +%T)] started: ${GOALS_STEPS:-all steps}" > "$dir/progress.log"
         # SGLang stamps its lines with the local time: `wait` keeps the batch lines of this run only.
         date '+%Y-%m-%d %H:%M:%S' > "$dir/started-at"
+        # Systems measured at the same time compare bucket by bucket: `wait` then adds the engines' paired rates.
+        if [ -n "${GOALS_TOGETHER:-}" ]; then touch "$dir/together"; fi
         # GOALS_* go along in the environment.
         (setsid nohup bash "$0" run "${2:-3}" > "$dir/run.log" 2>&1 < /dev/null &)
         echo "[gpu-goals] started; progress in $dir/progress.log"
@@ -131,7 +133,9 @@ case "${1:-}" in
         fi
         if [ -s "$out/server-batches.log" ] && [ -s "$out/conveyor-batches.log" ]; then
             # How fast each engine itself stepped, apart from what the pipeline does with its tokens.
-            python3 scripts/sglang_steps.py "${engines[@]}" --min-running 32 > "$out/engine-steps.txt" 2>&1 || true
+            by_time=(); if [ -f "$dir/together" ]; then by_time=(--by-time 20); fi
+            python3 scripts/sglang_steps.py "${engines[@]}" --min-running 32 "${by_time[@]}" \
+                > "$out/engine-steps.txt" 2>&1 || true
             cat "$out/engine-steps.txt"
         fi
         if [ -s "$dir/sched.log" ]; then  # each scheduler's wait for a CPU, over its loaded intervals
