@@ -79,7 +79,6 @@ run_all() {
     local sampler=$!
     for name in ${GOALS_STEPS:-aiperf ttft streams scale fanin serving}; do run_step "$name" "$rounds"; done
     kill "$monitor" 2>/dev/null || true
-    pkill -f "sched_wait[.]py --out $dir" 2>/dev/null || true
     kill "$sampler" 2>/dev/null || true
     touch "$dir/done"
 }

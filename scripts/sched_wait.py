@@ -29,9 +29,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from isolate_schedulers import SCHEDULER_TITLE, user_processes  # noqa: E402  — how schedulers are found there too
+
 PROC = Path("/proc")
 DEFAULT_LABELS = ["server=sglang.launch_server", "b=--out /tmp/b", "conveyor=--out /tmp/a"]
-CLOCK_TICKS_PER_S = 100  # USER_HZ: /proc/PID/stat counts CPU time in these on every Linux that runs here
 
 
 @dataclass(frozen=True)
@@ -58,13 +61,6 @@ def read_sample(pid: int) -> Sample | None:
                   cpu=int(fields[36]))
 
 
-def command_line(pid: int) -> str:
-    try:
-        return (PROC / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except (FileNotFoundError, ProcessLookupError):
-        return ""
-
-
 def parent(pid: int) -> int:
     try:
         stat = (PROC / str(pid) / "stat").read_text()
@@ -73,11 +69,12 @@ def parent(pid: int) -> int:
     return int(stat[stat.rindex(")") + 2:].split()[1])
 
 
-def label_for(pid: int, labels: list[tuple[str, str]]) -> str:
-    """The first label whose pattern is in this process's or an ancestor's command line, nearest first."""
+def label_for(pid: int, labels: list[tuple[str, str]], commands: dict[int, str]) -> str:
+    """The first label whose pattern is in this process's or an ancestor's command line (`commands`: pid → command
+    line, as user_processes reads them), nearest first."""
     current = pid
     while current > 1:
-        line = command_line(current)
+        line = commands.get(current, "")
         for name, pattern in labels:
             if pattern in line:
                 return name
@@ -85,12 +82,10 @@ def label_for(pid: int, labels: list[tuple[str, str]]) -> str:
     return f"pid{pid}"
 
 
-def find(title: str) -> list[int]:
-    found = []
-    for entry in PROC.iterdir():
-        if entry.name.isdigit() and command_line(int(entry.name)).startswith(title):
-            found.append(int(entry.name))
-    return sorted(found)
+def schedulers(title: str) -> tuple[list[int], dict[int, str]]:
+    """The pids whose command line starts with `title`, and every process's command line (for their labels)."""
+    commands = user_processes()
+    return sorted(pid for pid, line in commands.items() if line.startswith(title)), commands
 
 
 def sample(out: Path, title: str, labels: list[tuple[str, str]], interval_s: float,
@@ -101,11 +96,13 @@ def sample(out: Path, title: str, labels: list[tuple[str, str]], interval_s: flo
     names: dict[int, str] = {}
     with out.open("a", buffering=1) as log:
         for _ in itertools.count() if max_samples is None else range(max_samples):
-            for pid in find(title):
+            pids, commands = schedulers(title)
+            for pid in pids:
                 now, now_s = read_sample(pid), time.monotonic()
                 if now is None:
                     continue
-                names.setdefault(pid, label_for(pid, labels))
+                if pid not in names:
+                    names[pid] = label_for(pid, labels, commands)
                 if pid in last:
                     then_s, before = last[pid]
                     span_s = now_s - then_s
@@ -164,7 +161,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="sample until stopped, appending to this file")
     parser.add_argument("--summary", type=Path, help="summarize a file written with --out")
     parser.add_argument("--list", action="store_true", help="print NAME=PID of each scheduler running now")
-    parser.add_argument("--title", default="sglang::scheduler",
+    parser.add_argument("--title", default=SCHEDULER_TITLE,
                         help="the start of the sampled processes' command lines (SGLang sets its schedulers')")
     parser.add_argument("--label", type=parse_label, action="append",
                         help=f"NAME=PATTERN, repeatable (default: {' '.join(DEFAULT_LABELS)})")
@@ -176,7 +173,8 @@ def main() -> None:
     if args.summary:
         print_summary(summarize(args.summary.read_text().splitlines(), args.min_cpu_percent))
     elif args.list:
-        print(" ".join(f"{label_for(pid, labels)}={pid}" for pid in find(args.title)))
+        pids, commands = schedulers(args.title)
+        print(" ".join(f"{label_for(pid, labels, commands)}={pid}" for pid in pids))
     elif args.out:
         try:
             sample(args.out, args.title, labels, args.interval_s)

@@ -27,7 +27,28 @@ _PREFILL = re.compile(r"Prefill batch.*?#new-seq: (\d+), #new-token: (\d+), #cac
 # SGLang stamps each line with its local time: [2026-11-26 04:27:34] (a scheduler's line may carry a rank after it).
 _STAMP = re.compile(r"^\[\d{4}-\d\d-\d\d (\d\d):(\d\d):(\d\d)")
 # A full pool evicts on the step path (a walk over the radix tree's leaves): how full each engine's pool ran.
-_USAGE = re.compile(r"Decode batch.*?#running-req: (\d+).*?token usage: ([\d.]+)")
+_USAGE = re.compile(r"token usage: ([\d.]+)")
+
+
+@dataclass(frozen=True)
+class Window:
+    """One `Decode batch` line: the last 40 decode steps."""
+    running: int
+    tokens_per_s: float
+    token_usage: float | None  # the KV pool's fill, 0-1
+    second: int | None  # of the clock (since midnight), where the line is stamped
+
+
+def decode_windows(lines: list[str]) -> list[Window]:
+    windows = []
+    for line in lines:
+        if not (decode := _DECODE.search(line)):
+            continue
+        usage, stamp = _USAGE.search(line), _STAMP.search(line)
+        windows.append(Window(
+            running=int(decode[1]), tokens_per_s=float(decode[2]), token_usage=float(usage[1]) if usage else None,
+            second=int(stamp[1]) * 3600 + int(stamp[2]) * 60 + int(stamp[3]) if stamp else None))
+    return windows
 
 
 @dataclass(frozen=True)
@@ -51,18 +72,17 @@ def read_lines(path: Path) -> list[str]:
 
 
 def engine_steps(name: str, lines: list[str], min_running: int) -> EngineSteps:
-    windows = [(int(m[1]), float(m[2])) for line in lines if (m := _DECODE.search(line))]
-    loaded = [(running, rate) for running, rate in windows if running >= min_running]
+    loaded = [window for window in decode_windows(lines) if window.running >= min_running]
     if not loaded:
         raise SystemExit(f"{name}: no decode line with {min_running}+ running requests (does it log at info?)")
     prefills = [(int(m[1]), int(m[2]), int(m[3])) for line in lines if (m := _PREFILL.search(line))]
-    usage = [float(m[2]) for line in lines if (m := _USAGE.search(line)) and int(m[1]) >= min_running]
+    usage = [window.token_usage for window in loaded if window.token_usage is not None]
     return EngineSteps(
         name=name,
         windows=len(loaded),
-        mean_running=statistics.fmean(running for running, _ in loaded),
-        tokens_per_s=statistics.median(rate for _, rate in loaded),
-        steps_per_s_per_request=statistics.median(rate / running for running, rate in loaded),
+        mean_running=statistics.fmean(window.running for window in loaded),
+        tokens_per_s=statistics.median(window.tokens_per_s for window in loaded),
+        steps_per_s_per_request=statistics.median(window.tokens_per_s / window.running for window in loaded),
         prefill_batches=len(prefills),
         sequences_per_prefill=statistics.fmean(seqs for seqs, _, _ in prefills) if prefills else 0.0,
         new_tokens_per_prefill=statistics.fmean(new for _, new, _ in prefills) if prefills else 0.0,
@@ -76,11 +96,10 @@ def steps_by_time(lines: list[str], min_running: int, bucket_s: int) -> dict[int
     midnight), from loaded windows only: engines measured at the same time (bench_aiperf.py --together) compare
     bucket by bucket, and engines measured in turn show how far one engine's rate moved between rounds."""
     buckets: dict[int, list[float]] = {}
-    for line in lines:
-        decode, stamp = _DECODE.search(line), _STAMP.search(line)
-        if decode and stamp and int(decode[1]) >= min_running:
-            second = int(stamp[1]) * 3600 + int(stamp[2]) * 60 + int(stamp[3])
-            buckets.setdefault(second - second % bucket_s, []).append(float(decode[2]) / int(decode[1]))
+    for window in decode_windows(lines):
+        if window.second is not None and window.running >= min_running:
+            start = window.second - window.second % bucket_s
+            buckets.setdefault(start, []).append(window.tokens_per_s / window.running)
     return {start: statistics.median(rates) for start, rates in sorted(buckets.items())}
 
 
