@@ -130,6 +130,10 @@ case "${1:-}" in
             this_run /tmp/b/bench-vs-sglang-conveyor/*.log > "$out/b-batches.log" || true
             [ -s "$out/b-batches.log" ] && engines+=(b="$out/b-batches.log")
         fi
+        if [ -f /tmp/sglang-server2.log ]; then  # a second server, when held (gpu_hold.sh server2)
+            this_run /tmp/sglang-server2.log > "$out/server2-batches.log" || true
+            [ -s "$out/server2-batches.log" ] && engines+=(server2="$out/server2-batches.log")
+        fi
         if [ -s "$out/server-batches.log" ] && [ -s "$out/conveyor-batches.log" ]; then
             # How fast each engine itself stepped, apart from what the pipeline does with its tokens.
             by_time=(); if [ -f "$dir/together" ]; then by_time=(--by-time 20); fi
@@ -148,6 +152,10 @@ case "${1:-}" in
             if [ -f /tmp/b/bench-vs-sglang-conveyor/decode.log ]; then  # stack b's against stack a's
                 { echo "stack a | stack b:"; python3 scripts/sglang_args_diff.py \
                     /tmp/a/bench-vs-sglang-conveyor/decode.log /tmp/b/bench-vs-sglang-conveyor/decode.log
+                } >> "$out/engine-args-diff.txt" 2>&1 || true
+            fi
+            if [ -f /tmp/sglang-server2.log ]; then  # the second server's against the first's
+                { echo "server | server2:"; python3 scripts/sglang_args_diff.py /tmp/sglang-server.log /tmp/sglang-server2.log
                 } >> "$out/engine-args-diff.txt" 2>&1 || true
             fi
             cat "$out/engine-args-diff.txt"

@@ -4,6 +4,8 @@
 #
 #   bash scripts/gpu_hold.sh server [ARG...]   SGLang's own server on :30000 (128 running requests, page 16); ARGs go
 #                                              to launch_server after ours, e.g. --enable-mixed-chunk
+#   bash scripts/gpu_hold.sh server2 [ARG...]  a second one on :30001 (log /tmp/sglang-server2.log, 50% of the GPU),
+#                                              e.g. with a stack's engine settings as a control beside the first
 #   bash scripts/gpu_hold.sh stack a [VAR=V]   a Conveyor stack: gateway :8000, metrics :9101 (decode :9102), 40% of the GPU
 #   bash scripts/gpu_hold.sh stack b [VAR=V]   a second one: gateway :8001, metrics :9111 (decode :9112), NATS :4223, 50%
 #   bash scripts/gpu_hold.sh stop a|b          stop that stack and wait until it has exited (to start it again with
@@ -42,16 +44,19 @@ wait_for() {  # wait_for WHAT SECONDS PIDFILE COMMAND...: poll until COMMAND suc
 }
 
 case "${1:-}" in
-    server)
+    server|server2)
+        # The second server is started after the first (and any stack): SGLang checks its fraction against the memory
+        # it finds free, as a stack b does.
+        if [ "$1" = server ]; then name=sglang-server port=30000 fraction=0.35; else name=sglang-server2 port=30001 fraction=0.5; fi
         shift
         bash scripts/gpu_run.sh true  # unpack first, so the held process does not race the next call's unpacking
         (setsid nohup bash scripts/gpu_run.sh python3 -m sglang.launch_server --model-path .gpu/smol \
-            --load-format dummy --attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.35 \
-            --page-size 16 --host 127.0.0.1 --port 30000 --max-running-requests "$MAX_RUNNING" --log-level info \
+            --load-format dummy --attention-backend triton --sampling-backend pytorch --mem-fraction-static "$fraction" \
+            --page-size 16 --host 127.0.0.1 --port "$port" --max-running-requests "$MAX_RUNNING" --log-level info \
             --max-total-tokens "$POOL_TOKENS" \
             --sleep-on-idle "$@" \
-            > /tmp/sglang-server.log 2>&1 < /dev/null & echo $! > /tmp/sglang-server.pid)
-        wait_for "sglang server" 300 /tmp/sglang-server.pid curl -sf http://127.0.0.1:30000/v1/models || { tail -20 /tmp/sglang-server.log; exit 1; }
+            > "/tmp/$name.log" 2>&1 < /dev/null & echo $! > "/tmp/$name.pid")
+        wait_for "$name" 300 "/tmp/$name.pid" curl -sf "http://127.0.0.1:$port/v1/models" || { tail -20 "/tmp/$name.log"; exit 1; }
         ;;
     stack)
         name=${2:?"stack a or stack b"}
@@ -90,7 +95,7 @@ case "${1:-}" in
         echo "[gpu-hold] conveyor stack $name stopped"
         ;;
     *)
-        sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
+        sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'
         exit 2
         ;;
 esac

@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from isolate_schedulers import SCHEDULER_TITLE, user_processes  # noqa: E402  — how schedulers are found there too
 
 PROC = Path("/proc")
-DEFAULT_LABELS = ["server=sglang.launch_server", "b=--out /tmp/b", "conveyor=--out /tmp/a"]
+# The second server (gpu_hold.sh server2) is told apart by its port, so its pattern goes first.
+DEFAULT_LABELS = ["server2=--port 30001", "server=sglang.launch_server", "b=--out /tmp/b", "conveyor=--out /tmp/a"]
 
 
 @dataclass(frozen=True)
