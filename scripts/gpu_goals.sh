@@ -75,7 +75,7 @@ run_all() {
         echo "$pid,$memory, $(tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | cut -c1-150)"
     done > "$dir/gpu-apps.log" || true
     # How long each SGLang scheduler waited for a CPU while it had work (scripts/sched_wait.py).
-    python3 scripts/sched_wait.py --out "$dir/sched.log" > "$dir/sched-wait.err" 2>&1 &
+    bash scripts/gpu_run.sh python3 scripts/sched_wait.py --out "$dir/sched.log" > "$dir/sched-wait.err" 2>&1 &
     local sampler=$!
     for name in ${GOALS_STEPS:-aiperf ttft streams scale fanin serving}; do run_step "$name" "$rounds"; done
     kill "$monitor" 2>/dev/null || true
@@ -142,7 +142,7 @@ case "${1:-}" in
             cat "$out/engine-steps.txt"
         fi
         if [ -s "$dir/sched.log" ]; then  # each scheduler's wait for a CPU, over its loaded intervals
-            python3 scripts/sched_wait.py --summary "$dir/sched.log" > "$out/sched-wait.txt" 2>&1 || true
+            bash scripts/gpu_run.sh python3 scripts/sched_wait.py --summary "$dir/sched.log" > "$out/sched-wait.txt" 2>&1 || true
             cat "$out/sched-wait.txt"
         fi
         if grep -q "server_args=ServerArgs(" /tmp/sglang-server.log 2>/dev/null; then

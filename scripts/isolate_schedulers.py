@@ -31,16 +31,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCHEDULER_TITLE = "sglang::scheduler"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
-def physical_cores() -> list[list[int]]:
-    """Each physical core's logical CPUs, sorted, one list per core (hyperthread siblings together)."""
-    cores: set[tuple[int, ...]] = set()
-    for cpu in range(os.cpu_count() or 1):
-        siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
-        cores.add(tuple(parse_cpu_list(siblings.read_text())) if siblings.exists() else (cpu,))
-    return sorted((list(core) for core in cores), key=lambda core: core[0])
+from workers.engines.cpu_pinning import SCHEDULER_TITLE, parse_cpu_list, physical_cores, pin_threads  # noqa: E402
 
 
 def cpu_node(cpu: int) -> int:
@@ -85,13 +78,6 @@ def reserve(schedulers: list[int], cores: list[list[int]], cpus_each: int) -> di
     return reserved
 
 
-def parse_cpu_list(text: str) -> list[int]:
-    """'0-2,8' -> [0, 1, 2, 8]"""
-    cpus: list[int] = []
-    for part in text.strip().split(","):
-        low, _, high = part.partition("-")
-        cpus.extend(range(int(low), int(high or low) + 1))
-    return cpus
 
 
 def user_processes() -> dict[int, str]:
@@ -109,16 +95,6 @@ def user_processes() -> dict[int, str]:
     return processes
 
 
-def set_affinity(pid: int, cpus: set[int]) -> int:
-    """Every thread of `pid` to `cpus`; how many threads took it."""
-    done = 0
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            os.sched_setaffinity(int(task.name), cpus)
-            done += 1
-        except OSError:  # a thread that ended, or one we may not move
-            continue
-    return done
 
 
 def main() -> None:
@@ -163,7 +139,7 @@ def main() -> None:
         print(f"every other process: CPUs {sorted(others)}")
     if args.dry_run:
         return
-    threads = sum(set_affinity(pid, cpus) for pid, cpus in plan.items())
+    threads = sum(pin_threads(pid, sorted(cpus)) for pid, cpus in plan.items())
     print(f"{'undone' if args.undo else 'pinned'}: {threads} threads of {len(plan)} processes", flush=True)
     if args.run:
         os.sched_setaffinity(0, every_cpu if args.undo else others)

@@ -41,11 +41,12 @@ from typing import Any, Literal
 
 import msgpack
 import structlog
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from schemas.kv_hashing import block_hash, iter_chain_hashes
+from workers.engines.cpu_pinning import DEFAULT_LOCK_DIR, CpuClaim, parse_cpu_list, pin_schedulers
 from workers.engines.detokenizer import Decoder, IncrementalDetokenizer
 from workers.engines.network import advertised_host
 from workers.engines.pacing import Admission, PrefillBudget, Withdrawn
@@ -119,6 +120,12 @@ class SGLangEngineConfig(BaseSettings):
     kv_events: bool = True
     kv_events_port: int = 0
     enable_memory_saver: bool = False
+    # Each SGLang scheduler held on CPUs of its own (workers/engines/cpu_pinning.py): "auto" claims two CPUs in whole
+    # cores per scheduler, highest-numbered first, that no other worker sharing the lock directory holds; a CPU list
+    # ("14,15", "12-15") gives every scheduler those; "off" leaves it to the kernel. Held still, the scheduler of a
+    # stack stepped 1.00x as fast as SGLang's own server's on the H100, against 0.91-0.94x left free.
+    scheduler_cpus: str = "auto"
+    scheduler_cpus_lock_dir: Path = DEFAULT_LOCK_DIR
     # LoRA adapters, loaded at run time (`conveyor lora load`): SGLang sizes its adapter pool at start, so the
     # largest rank and the layers adapters may touch are fixed here ("all", or q_proj, k_proj, v_proj, o_proj,
     # gate_proj, up_proj, down_proj).
@@ -147,6 +154,17 @@ class SGLangEngineConfig(BaseSettings):
     skip_tokenizer_init: bool = False
     # Any other ServerArgs field, passed through unchanged (JSON in CONVEYOR_SGLANG_EXTRA_SERVER_ARGS).
     extra_server_args: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("scheduler_cpus")
+    @classmethod
+    def _scheduler_cpus_known(cls, value: str) -> str:
+        if value not in ("auto", "off"):
+            try:
+                parse_cpu_list(value)
+            except ValueError:
+                raise ValueError(f"scheduler_cpus is 'auto', 'off' or a CPU list like '14,15' or '12-15', "
+                                 f"not {value!r}") from None
+        return value
 
 
 def image_item(request: GenerateRequest) -> dict[str, Any]:
@@ -578,6 +596,7 @@ class SGLangEngine:
                                 role=config.role)
         self._load = EngineLoad(0, 0, 1, 0, 0)
         self._load_task: asyncio.Task[None] | None = None
+        self._cpu_claims: list[CpuClaim] = []
         self._loras: dict[str, str] = {}
         self._lora_lock = asyncio.Lock()
         # Open sessions -> the request id of their last finished turn (the node the next turn continues from).
@@ -615,6 +634,7 @@ class SGLangEngine:
         if self.config.kv_events:
             self._relay = KvEventRelay(f"tcp://127.0.0.1:{kv_port}")
             await self._relay.start()
+        self._cpu_claims = pin_schedulers(self.config.scheduler_cpus, self.config.scheduler_cpus_lock_dir)
         self._load_task = asyncio.create_task(self._refresh_load())
 
     async def _max_running_requests(self) -> int | None:
@@ -635,6 +655,9 @@ class SGLangEngine:
         if self._engine is not None:
             await asyncio.to_thread(self._engine.shutdown)
             self._engine = None
+        for claim in self._cpu_claims:
+            claim.release()
+        self._cpu_claims = []
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         own_text = None

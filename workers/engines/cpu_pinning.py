@@ -1,0 +1,169 @@
+"""Hold each SGLang scheduler of a worker on CPUs of its own.
+
+Why: with a small model SGLang's scheduler is a Python loop at 100% of a core, and its steps are the engine's token
+rate. Left free beside a stack's other busy processes (gateways, processor, nats-server, the worker itself) it ran on
+15-16 different CPUs over a 4-minute run and stepped 0.91-0.94x as fast as SGLang's own server measured at the same
+time; with every thread of it held on two CPUs it stepped 1.00x, its stack streaming 1.00x the server's tokens
+(docs/performance.md, twenty-eighth stop). Nothing else had to be kept off those CPUs: holding the scheduler still
+was enough.
+
+A worker claims whole cores from the highest-numbered down (the kernel places new work on low numbers first), with
+one lock file per CPU, so that workers sharing the lock directory (one host, or containers that mount it) take
+different cores. A claim lasts until the worker process exits: the kernel drops its locks then.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+SCHEDULER_TITLE = "sglang::scheduler"  # SGLang's process title for a scheduler (setproctitle)
+DEFAULT_LOCK_DIR = Path(tempfile.gettempdir()) / "conveyor-cpus"
+# A scheduler's loop and the threads beside it (ZMQ's I/O, the KV-event publisher): one CPU would put them on one
+# another's time.
+CPUS_PER_SCHEDULER = 2
+# Claim nothing that would take more than a quarter of what this process may use: the stack's other processes need
+# the rest more than the scheduler needs to stay put.
+MAX_SHARE = 0.25
+
+
+@dataclass
+class CpuClaim:
+    """CPUs this process holds for its schedulers, and the open lock files that keep other workers off them."""
+
+    cpus: list[int]
+    lock_fds: list[int] = field(default_factory=list, repr=False)
+
+    def release(self) -> None:
+        for fd in self.lock_fds:
+            os.close(fd)
+        self.lock_fds.clear()
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """'0-2,8' -> [0, 1, 2, 8]"""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        low, _, high = part.partition("-")
+        cpus.extend(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def physical_cores(allowed: set[int] | None = None) -> list[list[int]]:
+    """Each physical core's logical CPUs (hyperthread siblings together, sorted), lowest core first; only cores all of
+    whose CPUs are in `allowed` (default: every CPU the kernel shows)."""
+    cores: set[tuple[int, ...]] = set()
+    for cpu in range(os.cpu_count() or 1):
+        siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+        cores.add(tuple(parse_cpu_list(siblings.read_text())) if siblings.exists() else (cpu,))
+    usable = (core for core in cores if allowed is None or set(core) <= allowed)
+    return sorted((list(core) for core in usable), key=lambda core: core[0])
+
+
+def _try_lock(lock_dir: Path, cpu: int) -> int | None:
+    """An open, exclusively locked file for `cpu`, or None where another worker holds it."""
+    fd = os.open(lock_dir / f"cpu{cpu}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def claim_cores(num_cpus: int, lock_dir: Path = DEFAULT_LOCK_DIR, allowed: set[int] | None = None,
+                max_share: float = MAX_SHARE) -> CpuClaim | None:
+    """Whole cores of `allowed` (default: what this process may use), highest-numbered first, none held by another
+    worker, until there are at least `num_cpus` CPUs; None where they cannot be found, or where `num_cpus` is more
+    than `max_share` of `allowed`."""
+    allowed = set(os.sched_getaffinity(0)) if allowed is None else allowed
+    if num_cpus > len(allowed) * max_share:
+        return None
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    claim = CpuClaim(cpus=[])
+    for core in reversed(physical_cores(allowed)):
+        if len(claim.cpus) >= num_cpus:
+            break
+        fds = [fd for cpu in core if (fd := _try_lock(lock_dir, cpu)) is not None]
+        if len(fds) < len(core):  # part of this core is another worker's: leave all of it
+            for fd in fds:
+                os.close(fd)
+            continue
+        claim.cpus.extend(core)
+        claim.lock_fds.extend(fds)
+    if len(claim.cpus) < num_cpus:
+        claim.release()
+        return None
+    claim.cpus.sort()
+    return claim
+
+
+def child_processes(parent_pid: int, title: str) -> list[int]:
+    """The pids of `parent_pid`'s children whose command line starts with `title`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile
+            continue
+        # The parent pid is the second field after the command name, which may hold spaces and parentheses.
+        if int(stat[stat.rindex(")") + 2:].split()[1]) == parent_pid and command.startswith(title):
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def pin_threads(pid: int, cpus: list[int]) -> int:
+    """Every thread of `pid` to `cpus` (threads it starts later take their starter's CPUs); how many took it."""
+    done = 0
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+            done += 1
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return done
+
+
+def pin_schedulers(setting: str, lock_dir: Path = DEFAULT_LOCK_DIR, parent_pid: int | None = None) -> list[CpuClaim]:
+    """Hold each SGLang scheduler started by this process on CPUs of its own, as `setting` says: "auto" claims
+    CPUS_PER_SCHEDULER CPUs each (whole cores) from what no other worker holds; a CPU list ("14,15", "12-15") gives
+    every scheduler those; "off" leaves them where the kernel puts them. What cannot be done is logged and left:
+    never a reason for the worker not to serve. Returns the claims to hold for the worker's life."""
+    if setting == "off":
+        return []
+    if not hasattr(os, "sched_setaffinity"):
+        log.warning("sglang.scheduler_cpus_unsupported", reason="this platform cannot set CPU affinity")
+        return []
+    schedulers = child_processes(os.getpid() if parent_pid is None else parent_pid, SCHEDULER_TITLE)
+    if not schedulers:
+        log.warning("sglang.scheduler_cpus_skipped", reason=f"no child process titled {SCHEDULER_TITLE!r}")
+        return []
+    claims: list[CpuClaim] = []
+    for pid in schedulers:
+        if setting == "auto":
+            claim = claim_cores(CPUS_PER_SCHEDULER, lock_dir)
+            if claim is None:
+                log.warning("sglang.scheduler_cpus_skipped", scheduler_pid=pid, lock_dir=str(lock_dir),
+                            reason="no free whole cores to spare (too few CPUs, or other workers hold them)")
+                continue
+            claims.append(claim)
+            cpus = claim.cpus
+        else:
+            cpus = parse_cpu_list(setting)
+            if not set(cpus) <= os.sched_getaffinity(0):
+                log.warning("sglang.scheduler_cpus_skipped", scheduler_pid=pid, cpus=cpus,
+                            reason="CPUs this worker may not use")
+                continue
+        threads = pin_threads(pid, cpus)
+        log.info("sglang.scheduler_pinned", scheduler_pid=pid, cpus=cpus, threads=threads)
+    return claims
