@@ -59,7 +59,8 @@ async def running_workers(bus: Bus, specs: Sequence[tuple[Stage, PipelineStage]]
                           max_concurrency: int = 32,
                           pools: Sequence[str | None] = (),
                           modes: Sequence[ServingMode] = (),
-                          kv_events_interval_s: float = 0.005, kv_events: bool = True) -> AsyncIterator[list[Worker]]:
+                          kv_events_interval_s: float = 0.005, kv_events: bool = True,
+                          queue_ahead: int | None = None) -> AsyncIterator[list[Worker]]:
     """`pools` / `modes`: the pool / serving mode of each worker in `specs`, in order (missing: none / `mode`)."""
     workers: list[Worker] = []
     try:
@@ -69,7 +70,7 @@ async def running_workers(bus: Bus, specs: Sequence[tuple[Stage, PipelineStage]]
                                     http_host="127.0.0.1", shutdown_grace_s=grace_s, max_concurrency=max_concurrency,
                                     canary_interval_s=3600, handle_signals=False,
                                     kv_events=kv_events, kv_events_interval_s=kv_events_interval_s,
-                                    pool=pools[index] if index < len(pools) else None)
+                                    queue_ahead=queue_ahead, pool=pools[index] if index < len(pools) else None)
             runtime = WorkerRuntime(stage, options, bus.nats_settings, bus.settings)
             task = asyncio.create_task(runtime.run())
             started = asyncio.create_task(runtime.started.wait())

@@ -84,6 +84,13 @@ def test_off_or_cpus_not_ours_leave_the_scheduler_free(scheduler: int) -> None:
     assert os.sched_getaffinity(scheduler) == ALLOWED
 
 
+def test_a_lock_dir_that_cannot_be_made_leaves_the_scheduler_free(scheduler: int, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert pin_schedulers("auto", lock_dir=blocker / "locks") == []  # logged, never raised
+    assert os.sched_getaffinity(scheduler) == ALLOWED
+
+
 def test_only_this_process_s_own_schedulers_are_pinned(scheduler: int) -> None:
     pin_schedulers(str(max(ALLOWED)), parent_pid=os.getppid())  # our parent's children: not this scheduler
     assert os.sched_getaffinity(scheduler) == ALLOWED

@@ -440,6 +440,31 @@ async def test_a_worker_holds_no_more_tasks_than_its_engine_runs(bus: Bus) -> No
     assert max(waiting) == 0 and len(decode.engine.seen) == 6
 
 
+async def _most_waiting_in_engine(bus: Bus, max_running: int, num_requests: int, queue_ahead: int | None) -> int:
+    decode = mock_decode(max_running_requests=max_running, inter_token_s=0.01)
+    async with running_workers(bus, [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, decode)], max_concurrency=64,
+                               queue_ahead=queue_ahead):
+        client = client_of(bus)
+        answers = asyncio.gather(*(_answer(client, max_tokens=20) for _ in range(num_requests)))
+        waiting = []
+        while not answers.done():
+            waiting.append(decode.engine.load().waiting_requests)
+            await asyncio.sleep(0.005)
+        finals = await answers
+    assert all(final.usage.completion_tokens == 20 for final in finals)
+    return max(waiting)
+
+
+async def test_a_worker_holds_an_eighth_of_its_engine_s_limit_ahead_so_a_finished_request_is_replaced_at_once(
+        bus: Bus) -> None:
+    # 16 running at once: 2 more wait in the engine's own queue, the rest in the shared one.
+    assert await _most_waiting_in_engine(bus, max_running=16, num_requests=40, queue_ahead=None) == 2
+
+
+async def test_queue_ahead_sets_how_many_wait_in_the_engine(bus: Bus) -> None:
+    assert await _most_waiting_in_engine(bus, max_running=16, num_requests=40, queue_ahead=5) == 5
+
+
 async def _answer(client: PipelineClient, max_tokens: int) -> FinalFrame:
     async with await client.submit(chat(client, "tell me", max_tokens=max_tokens)) as stream:
         _, final = await stream.collect()

@@ -246,7 +246,11 @@ def worker(
     max_concurrency: Annotated[int | None, typer.Option(min=1, help=(
         "Tasks this worker holds at once (default 32; 4 for encode, 1 for image, whose work is CPU/GPU-bound: a "
         "worker holding more only queues them itself while other replicas idle). Never more than the engine runs "
-        "at once (torch, mock: their max running requests)."))] = None,
+        "at once and --queue-ahead beyond."))] = None,
+    queue_ahead: Annotated[int | None, typer.Option(min=0, help=(
+        "Tasks held beyond what the engine runs at once, in the engine's own queue, so a finished request's place is "
+        "taken at once instead of after the next pull (default: an eighth of the engine's running limit, 16 for "
+        "SGLang's 128; 0: none). More keeps tasks from replicas that have room."))] = None,
     fetch_batch: Annotated[int, typer.Option(min=1, help=(
         "Tasks one pull from the stage's queue takes while a backlog waits (up to the free slots). 1: a burst of "
         "requests reaches the engine one per pull. On the H100 that did not keep SGLang from prefilling a burst "
@@ -349,7 +353,7 @@ def worker(
         stage=stage_kind, model=models[0], also_serves=tuple(models[1:]), mode=serving_mode,
         engine_name=engine_kind.value, http_host=http_host,
         http_port=http_port, max_concurrency=max_concurrency or _DEFAULT_CONCURRENCY.get(stage_kind, 32),
-        fetch_batch=fetch_batch, shutdown_grace_s=shutdown_grace_s,
+        queue_ahead=queue_ahead, fetch_batch=fetch_batch, shutdown_grace_s=shutdown_grace_s,
         coalesce_window_s=coalesce_ms / 1000, kv_events=kv_events, kv_events_interval_s=kv_events_interval_ms / 1000,
         pool=pool,
     )

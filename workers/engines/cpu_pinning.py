@@ -83,10 +83,10 @@ def claim_cores(num_cpus: int, lock_dir: Path = DEFAULT_LOCK_DIR, allowed: set[i
     """Whole cores of `allowed` (default: what this process may use), highest-numbered first, none held by another
     worker, until there are at least `num_cpus` CPUs; None where they cannot be found, or where `num_cpus` is more
     than `max_share` of `allowed`."""
+    lock_dir.mkdir(parents=True, exist_ok=True)  # first: a directory that cannot be made is an error on any machine
     allowed = set(os.sched_getaffinity(0)) if allowed is None else allowed
     if num_cpus > len(allowed) * max_share:
         return None
-    lock_dir.mkdir(parents=True, exist_ok=True)
     claim = CpuClaim(cpus=[])
     for core in reversed(physical_cores(allowed)):
         if len(claim.cpus) >= num_cpus:
@@ -151,7 +151,12 @@ def pin_schedulers(setting: str, lock_dir: Path = DEFAULT_LOCK_DIR, parent_pid: 
     claims: list[CpuClaim] = []
     for pid in schedulers:
         if setting == "auto":
-            claim = claim_cores(CPUS_PER_SCHEDULER, lock_dir)
+            try:
+                claim = claim_cores(CPUS_PER_SCHEDULER, lock_dir)
+            except OSError as error:  # a lock directory this user may not write
+                log.warning("sglang.scheduler_cpus_skipped", scheduler_pid=pid, lock_dir=str(lock_dir),
+                            reason=repr(error))
+                continue
             if claim is None:
                 log.warning("sglang.scheduler_cpus_skipped", scheduler_pid=pid, lock_dir=str(lock_dir),
                             reason="no free whole cores to spare (too few CPUs, or other workers hold them)")
