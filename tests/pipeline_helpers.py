@@ -56,7 +56,7 @@ class Worker:
 @asynccontextmanager
 async def running_workers(bus: Bus, specs: Sequence[tuple[Stage, PipelineStage]], model: str = MOCK,
                           mode: ServingMode = ServingMode.AGGREGATED, grace_s: float = 5.0,
-                          max_concurrency: int = 32,
+                          max_concurrency: int | None = 32,
                           pools: Sequence[str | None] = (),
                           modes: Sequence[ServingMode] = (),
                           kv_events_interval_s: float = 0.005, kv_events: bool = True,

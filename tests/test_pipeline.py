@@ -430,10 +430,11 @@ async def test_a_worker_holds_no_more_tasks_than_its_engine_runs(bus: Bus) -> No
     assert await _most_waiting_in_engine(bus, max_running=2, num_requests=6, queue_ahead=None) == 0
 
 
-async def _most_waiting_in_engine(bus: Bus, max_running: int, num_requests: int, queue_ahead: int | None) -> int:
+async def _most_waiting_in_engine(bus: Bus, max_running: int, num_requests: int, queue_ahead: int | None,
+                                  max_concurrency: int | None = 64) -> int:
     decode = mock_decode(max_running_requests=max_running, inter_token_s=0.01)
-    async with running_workers(bus, [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, decode)], max_concurrency=64,
-                               queue_ahead=queue_ahead):
+    async with running_workers(bus, [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, decode)],
+                               max_concurrency=max_concurrency, queue_ahead=queue_ahead):
         client = client_of(bus)
         answers = asyncio.gather(*(_answer(client, max_tokens=20) for _ in range(num_requests)))
         waiting = []
@@ -449,6 +450,17 @@ async def test_a_worker_holds_an_eighth_of_its_engine_s_limit_ahead_so_a_finishe
         bus: Bus) -> None:
     # 16 running at once: 2 more wait in the engine's own queue, the rest in the shared one.
     assert await _most_waiting_in_engine(bus, max_running=16, num_requests=40, queue_ahead=None) == 2
+
+
+async def test_a_worker_told_no_limit_holds_what_its_engine_runs_and_an_eighth_ahead(bus: Bus) -> None:
+    # 80 running at once (more than the old fixed default of 32): 10 more wait in the engine's own queue.
+    assert await _most_waiting_in_engine(bus, max_running=80, num_requests=120, queue_ahead=None,
+                                         max_concurrency=None) == 10
+
+
+async def test_a_configured_limit_below_the_engine_s_is_kept(bus: Bus) -> None:
+    assert await _most_waiting_in_engine(bus, max_running=16, num_requests=30, queue_ahead=None,
+                                         max_concurrency=10) == 0
 
 
 async def test_queue_ahead_sets_how_many_wait_in_the_engine(bus: Bus) -> None:

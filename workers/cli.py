@@ -244,9 +244,10 @@ def worker(
     http_port: Annotated[int, typer.Option(help="Port of /metrics, /live, /ready and /engine/* (0: any free port).")] = 0,
     http_host: Annotated[str, typer.Option(help="Address the HTTP port listens on.")] = "0.0.0.0",
     max_concurrency: Annotated[int | None, typer.Option(min=1, help=(
-        "Tasks this worker holds at once (default 32; 4 for encode, 1 for image, whose work is CPU/GPU-bound: a "
-        "worker holding more only queues them itself while other replicas idle). Never more than the engine runs "
-        "at once and --queue-ahead beyond."))] = None,
+        "Tasks this worker holds at once, at most. Default: as many as its engine runs at once (SGLang's running-"
+        "request limit, e.g. 128) and --queue-ahead beyond; 32 where the stage's engine states no limit; 4 for "
+        "encode and 1 for image, whose work is CPU/GPU-bound (a worker holding more only queues them itself while "
+        "other replicas idle)."))] = None,
     queue_ahead: Annotated[int | None, typer.Option(min=0, help=(
         "Tasks held beyond what the engine runs at once, in the engine's own queue, so a finished request's place is "
         "taken at once instead of after the next pull (default: an eighth of the engine's running limit, 16 for "
@@ -352,7 +353,7 @@ def worker(
     options = WorkerOptions(
         stage=stage_kind, model=models[0], also_serves=tuple(models[1:]), mode=serving_mode,
         engine_name=engine_kind.value, http_host=http_host,
-        http_port=http_port, max_concurrency=max_concurrency or _DEFAULT_CONCURRENCY.get(stage_kind, 32),
+        http_port=http_port, max_concurrency=max_concurrency or _DEFAULT_CONCURRENCY.get(stage_kind),
         queue_ahead=queue_ahead, fetch_batch=fetch_batch, shutdown_grace_s=shutdown_grace_s,
         coalesce_window_s=coalesce_ms / 1000, kv_events=kv_events, kv_events_interval_s=kv_events_interval_ms / 1000,
         pool=pool,

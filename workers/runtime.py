@@ -58,6 +58,8 @@ from workers.http import HealthServer
 
 log = structlog.get_logger(__name__)
 
+# Tasks a worker holds when neither it is told nor its engine states how many it runs at once.
+DEFAULT_MAX_CONCURRENCY = 32
 # By default a worker holds this fraction (1/N) of its engine's running limit beyond it (WorkerOptions.queue_ahead).
 QUEUE_AHEAD_SHARE = 8
 
@@ -71,7 +73,9 @@ class WorkerOptions:
     http_host: str = "0.0.0.0"
     # 0 picks a free port (printed at start and written in the worker card).
     http_port: int = 0
-    max_concurrency: int = 32
+    # At most this many tasks at once; None: as many as the engine runs at once and queue_ahead beyond
+    # (DEFAULT_MAX_CONCURRENCY for a stage whose engine states no limit).
+    max_concurrency: int | None = None
     # Tasks held beyond what the engine runs at once, waiting in the engine's own queue, so that a finished request's
     # place is taken at once rather than after the next pull from the stage's queue. None: an eighth of the engine's
     # running limit (16 for SGLang's 128; none for an engine running fewer than 8).
@@ -288,20 +292,21 @@ class WorkerRuntime:
             await self._registration.update(self._card(ready=self.ready))
 
     def _max_concurrency(self) -> int:
-        """Tasks this worker holds at once: as configured, but no more than its engine runs at once and a few ahead.
-        Replicas pull from one queue; a replica holding many more than its engine runs keeps tasks waiting while
-        others have room (p99 time to first token 1.35 s instead of 170 ms at 8 mock replicas: docs/performance.md).
-        Holding none ahead, SGLang ran 115 of its 128 requests on average at 256 streams on the H200 against the
-        server's 125: each finished request's place stayed empty until the worker's next pull brought another."""
+        """Tasks this worker holds at once: what its engine runs at once and a few ahead, or fewer where configured
+        (DEFAULT_MAX_CONCURRENCY where neither says). Replicas pull from one queue; a replica holding many more than
+        its engine runs keeps tasks waiting while others have room (p99 time to first token 1.35 s instead of 170 ms
+        at 8 mock replicas: docs/performance.md). Holding none ahead, SGLang ran 115 of its 128 requests on average
+        at 256 streams on the H200 against the server's 125: each finished request's place stayed empty until the
+        worker's next pull brought another."""
+        asked = self.options.max_concurrency
         engine = self._stage.engine
         capacity = engine.info.max_running_requests if engine is not None else None
         if capacity is None:
-            return self.options.max_concurrency
+            return asked or DEFAULT_MAX_CONCURRENCY
         ahead = capacity // QUEUE_AHEAD_SHARE if self.options.queue_ahead is None else self.options.queue_ahead
-        if capacity + ahead >= self.options.max_concurrency:
-            return self.options.max_concurrency
-        log.info("worker.concurrency_capped", asked=self.options.max_concurrency, engine_runs=capacity,
-                 queued_ahead=ahead)
+        if asked is not None and asked <= capacity + ahead:
+            return asked
+        log.info("worker.concurrency_from_engine", asked=asked, engine_runs=capacity, queued_ahead=ahead)
         return capacity + ahead
 
     async def _shutdown(self, consumer_loop: asyncio.Task[None]) -> None:
