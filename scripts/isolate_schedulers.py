@@ -33,7 +33,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workers.engines.cpu_pinning import SCHEDULER_TITLE, parse_cpu_list, physical_cores, pin_threads  # noqa: E402
+from workers.engines.cpu_pinning import (  # noqa: E402
+    SCHEDULER_TITLE,
+    parse_cpu_list,
+    physical_cores,
+    pin_threads,
+    user_processes,
+)
 
 
 def cpu_node(cpu: int) -> int:
@@ -76,25 +82,6 @@ def reserve(schedulers: list[int], cores: list[list[int]], cpus_each: int) -> di
             cpus.extend(core)
         reserved[pid] = sorted(cpus)
     return reserved
-
-
-
-
-def user_processes() -> dict[int, str]:
-    """pid -> command line of every process with one (kernel threads have none)."""
-    processes = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:  # gone meanwhile
-            continue
-        if command:
-            processes[int(entry.name)] = command
-    return processes
-
-
 
 
 def main() -> None:

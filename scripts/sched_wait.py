@@ -29,9 +29,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from isolate_schedulers import SCHEDULER_TITLE, user_processes  # noqa: E402  — how schedulers are found there too
+from workers.engines.cpu_pinning import SCHEDULER_TITLE, parent_pid, user_processes  # noqa: E402
 
 PROC = Path("/proc")
 # The second server (gpu_hold.sh server2) is told apart by its port, so its pattern goes first.
@@ -62,14 +62,6 @@ def read_sample(pid: int) -> Sample | None:
                   cpu=int(fields[36]))
 
 
-def parent(pid: int) -> int:
-    try:
-        stat = (PROC / str(pid) / "stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return 0
-    return int(stat[stat.rindex(")") + 2:].split()[1])
-
-
 def label_for(pid: int, labels: list[tuple[str, str]], commands: dict[int, str]) -> str:
     """The first label whose pattern is in this process's or an ancestor's command line (`commands`: pid → command
     line, as user_processes reads them), nearest first."""
@@ -79,7 +71,7 @@ def label_for(pid: int, labels: list[tuple[str, str]], commands: dict[int, str])
         for name, pattern in labels:
             if pattern in line:
                 return name
-        current = parent(current)
+        current = parent_pid(current)
     return f"pid{pid}"
 
 

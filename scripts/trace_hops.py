@@ -268,13 +268,13 @@ async def answers(session: Any, url: str) -> bool:
 def pin_each(cores: list[int], server_pid: int | None, workers: list[subprocess.Popen[bytes]]) -> None:
     """The nats-server on two cores, then one core each: processor, decode worker, gateway, this client. Every thread
     of each process, not its children: SGLang's scheduler stays free."""
-    from isolate_schedulers import set_affinity
+    from workers.engines.cpu_pinning import pin_threads
 
     if server_pid is not None:
-        set_affinity(server_pid, set(cores[:2]))
+        pin_threads(server_pid, cores[:2])
     for worker, core in zip(workers, cores[2:]):
-        set_affinity(worker.pid, {core})
-    set_affinity(os.getpid(), {cores[2 + len(workers)]})
+        pin_threads(worker.pid, [core])
+    pin_threads(os.getpid(), [cores[2 + len(workers)]])
     print(f"[trace-hops] pinned: nats-server {cores[:2]}, workers and client {cores[2:3 + len(workers)]}",
           file=sys.stderr, flush=True)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +27,11 @@ ALLOWED = set(os.sched_getaffinity(0))
 def scheduler() -> Iterator[int]:
     """A child process titled as SGLang titles its scheduler (`sleep` under that name), free on every CPU we have."""
     child = subprocess.Popen([SCHEDULER_TITLE, "60"], executable="/bin/sleep")
+    cmdline = Path(f"/proc/{child.pid}/cmdline")
+    deadline_s = time.monotonic() + 10
+    # Popen can return before the kernel shows the new program's command line: wait until it does.
+    while not cmdline.read_bytes().startswith(SCHEDULER_TITLE.encode()) and time.monotonic() < deadline_s:
+        time.sleep(0.01)
     try:
         yield child.pid
     finally:

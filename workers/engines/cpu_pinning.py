@@ -105,21 +105,35 @@ def claim_cores(num_cpus: int, lock_dir: Path = DEFAULT_LOCK_DIR, allowed: set[i
     return claim
 
 
-def child_processes(parent_pid: int, title: str) -> list[int]:
-    """The pids of `parent_pid`'s children whose command line starts with `title`."""
-    found = []
+def user_processes() -> dict[int, str]:
+    """pid -> command line of every process with one (kernel threads have none)."""
+    processes = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text()
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:  # gone meanwhile
             continue
-        # The parent pid is the second field after the command name, which may hold spaces and parentheses.
-        if int(stat[stat.rindex(")") + 2:].split()[1]) == parent_pid and command.startswith(title):
-            found.append(int(entry.name))
-    return sorted(found)
+        if command:
+            processes[int(entry.name)] = command
+    return processes
+
+
+def parent_pid(pid: int) -> int:
+    """`pid`'s parent (0 once it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    # The command name may hold spaces and parentheses: the fields after its closing parenthesis are fixed.
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+def child_processes(parent: int, title: str) -> list[int]:
+    """The pids of `parent`'s children whose command line starts with `title`."""
+    return sorted(pid for pid, command in user_processes().items()
+                  if command.startswith(title) and parent_pid(pid) == parent)
 
 
 def pin_threads(pid: int, cpus: list[int]) -> int:
