@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,20 +24,31 @@ from workers.engines.sglang_engine import SGLangEngineConfig
 ALLOWED = set(os.sched_getaffinity(0))
 
 
+# A scheduler's stand-in: its main thread and one helper beside it (as ZMQ's I/O thread is beside SGLang's loop).
+SCHEDULER_PROGRAM = "import threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); time.sleep(60)"
+
+
 @pytest.fixture
 def scheduler() -> Iterator[int]:
-    """A child process titled as SGLang titles its scheduler (`sleep` under that name), free on every CPU we have."""
-    child = subprocess.Popen([SCHEDULER_TITLE, "60"], executable="/bin/sleep")
+    """A child process titled as SGLang titles its scheduler (Python under that name), with a helper thread, free on
+    every CPU we have."""
+    child = subprocess.Popen([SCHEDULER_TITLE, "-c", SCHEDULER_PROGRAM], executable=sys.executable)
     cmdline = Path(f"/proc/{child.pid}/cmdline")
+    tasks = Path(f"/proc/{child.pid}/task")
     deadline_s = time.monotonic() + 10
-    # Popen can return before the kernel shows the new program's command line: wait until it does.
-    while not cmdline.read_bytes().startswith(SCHEDULER_TITLE.encode()) and time.monotonic() < deadline_s:
+    # Popen can return before the kernel shows the new program's command line, and the helper starts after that.
+    while time.monotonic() < deadline_s and not (
+            cmdline.read_bytes().startswith(SCHEDULER_TITLE.encode()) and len(list(tasks.iterdir())) >= 2):
         time.sleep(0.01)
     try:
         yield child.pid
     finally:
         child.kill()
         child.wait()
+
+
+def helper_threads(pid: int) -> list[int]:
+    return [int(task.name) for task in Path(f"/proc/{pid}/task").iterdir() if int(task.name) != pid]
 
 
 def test_cpu_lists_parse_ranges_and_singles() -> None:
@@ -64,10 +76,15 @@ def test_a_claim_that_would_take_more_than_its_share_of_the_cpus_is_refused(tmp_
     assert claim_cores(1, tmp_path, max_share=1.0).cpus == physical_cores(ALLOWED)[-1]
 
 
-def test_a_cpu_list_holds_every_thread_of_the_scheduler_there(scheduler: int) -> None:
+def test_a_cpu_list_holds_the_scheduler_s_loop_there_and_its_helper_threads_off_it(scheduler: int) -> None:
     cpu = max(ALLOWED)
     assert pin_schedulers(str(cpu)) == []  # a given list claims nothing: the operator chose it
     assert os.sched_getaffinity(scheduler) == {cpu}
+    helpers = helper_threads(scheduler)
+    assert helpers  # the stand-in's helper thread
+    for thread in helpers:
+        # Off the loop's CPU where there is another to go to; a one-CPU machine has nowhere else.
+        assert os.sched_getaffinity(thread) == (ALLOWED - {cpu} or {cpu})
 
 
 def test_auto_holds_the_scheduler_on_claimed_cores_where_cpus_can_be_spared(scheduler: int, tmp_path: Path) -> None:
@@ -75,6 +92,8 @@ def test_auto_holds_the_scheduler_on_claimed_cores_where_cpus_can_be_spared(sche
     if len(ALLOWED) >= 8:  # two CPUs are at most a quarter of what this process may use
         assert len(claims) == 1
         assert os.sched_getaffinity(scheduler) == set(claims[0].cpus)
+        assert all(os.sched_getaffinity(thread) == ALLOWED - set(claims[0].cpus)
+                   for thread in helper_threads(scheduler))
         assert claim_cores(1, tmp_path, max_share=1.0).cpus != claims[0].cpus  # held from other workers
     else:  # too few to spare: left where the kernel puts it
         assert claims == []
