@@ -181,6 +181,9 @@ class WorkConsumer(Generic[TaskT]):
         self._messages_in = MESSAGES_IN.labels(stage=stage.value)
         self._handler_seconds = HANDLER_SECONDS.labels(stage=stage.value)
         self._acked = MESSAGES_HANDLED.labels(stage=stage.value, outcome="acked")
+        # When a task last ended well here (time.monotonic(); None: none yet): live traffic that proves the engine,
+        # so the worker's canary need not run meanwhile.
+        self.last_success_s: float | None = None
 
     @property
     def bound(self) -> bool:
@@ -419,6 +422,8 @@ class WorkConsumer(Generic[TaskT]):
                 await self._retry_or_give_up(msg, reply, error)
             else:
                 await self._ack(msg, "acked")
+                if not reply.failed:
+                    self.last_success_s = time.monotonic()
             finally:
                 self._forget_reply(reply)
                 keep_alive.cancel()

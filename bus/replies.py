@@ -126,6 +126,8 @@ class ReplySender:
         # Anything but heartbeats went out (tokens, progress, a terminal frame): past this a failure is not handed over.
         self._content_sent = False
         self._chunks_uncounted = 0
+        # This worker failed the request (an error frame, or a failure handed to another pool): not a success.
+        self.failed = False
 
     @property
     def closed(self) -> bool:
@@ -212,6 +214,7 @@ class ReplySender:
         self._handover = handover
 
     async def fail(self, code: ErrorCode, message: str, retryable: bool = False) -> None:
+        self.failed = True
         if not self._content_sent and self._handover is not None:
             handover, self._handover = self._handover, None
             # Closed first, so no heartbeat takes a number the next worker will use.

@@ -432,8 +432,10 @@ async def _abort_when_stopped(engine: Engine, request_id: str, delivery: Deliver
 
 
 async def run_canary(engine: Engine, request_id: str) -> None:
-    """A 1-token greedy request through the engine: the health check behind /ready."""
-    request = GenerateRequest(request_id, CANARY_PROMPT, SamplingOptions(temperature=0.0), StopConditions(max_tokens=1),
+    """A 1-token request through the engine: the health check behind /ready. It samples as the engine does by default:
+    a greedy request batched with live ones would put SGLang's whole running batch on its slower top-k sampling path
+    until the batch empties (its sampling flags are merged in, never cleared)."""
+    request = GenerateRequest(request_id, CANARY_PROMPT, SamplingOptions(), StopConditions(max_tokens=1),
                               health_check=True)
     async for output in engine.generate(request):
         if output.finished:

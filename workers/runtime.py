@@ -83,7 +83,8 @@ class WorkerOptions:
     # Tasks one JetStream pull takes when a backlog is queued (bus/consumer.py).
     fetch_batch: int = 8
     shutdown_grace_s: float = 30.0
-    # How often the canary re-checks the engine while the worker runs.
+    # The canary re-checks the engine after this long without a task ending well (Dynamo's DYN_CANARY_WAIT_TIME): live
+    # traffic is the check while it flows.
     canary_interval_s: float = 30.0
     coalesce_window_s: float = 0.0
     # Publish the engine's KV events to the KV-events stream (what a `--router kv` processor indexes).
@@ -471,12 +472,20 @@ class WorkerRuntime:
         while not await sleep_unless(self._stopping, self.options.canary_interval_s):
             if self._not_ready_reason not in (None, "canary failed"):
                 continue  # paused or stopping: not the canary's business
+            if self._not_ready_reason is None and self._served_within(self.options.canary_interval_s):
+                # A synthetic request in a busy engine costs real work: SGLang keeps a greedy request's slower sampling
+                # path for its whole running batch (docs/performance.md, twenty-ninth stop).
+                continue
             try:
                 await asyncio.wait_for(self._stage.canary(), timeout=60)
                 self._set_ready(None)
             except Exception as error:
                 log.error("worker.canary_failed", error=repr(error))
                 self._set_ready("canary failed")
+
+    def _served_within(self, seconds: float) -> bool:
+        last_success_s = self._consumer.last_success_s if self._consumer is not None else None
+        return last_success_s is not None and time.monotonic() - last_success_s < seconds
 
     # ----- engine control ----------------------------------------------------------------------
 

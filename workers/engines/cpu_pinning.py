@@ -5,7 +5,8 @@ rate. Left free beside a stack's other busy processes (gateways, processor, nats
 15-16 different CPUs over a 4-minute run and stepped 0.91-0.94x as fast as SGLang's own server measured at the same
 time; with every thread of it held on two CPUs it stepped 1.00x, its stack streaming 1.00x the server's tokens
 (docs/performance.md, twenty-eighth stop). Nothing else had to be kept off those CPUs: holding the scheduler still
-was enough.
+was enough. Only its loop is held there: its helper threads go to the other CPUs, where waking them cannot preempt
+the loop (twenty-ninth stop).
 
 A worker claims whole cores from the highest-numbered down (the kernel places new work on low numbers first), with
 one lock file per CPU, so that workers sharing the lock directory (one host, or containers that mount it) take
@@ -26,8 +27,7 @@ log = structlog.get_logger(__name__)
 
 SCHEDULER_TITLE = "sglang::scheduler"  # SGLang's process title for a scheduler (setproctitle)
 DEFAULT_LOCK_DIR = Path(tempfile.gettempdir()) / "conveyor-cpus"
-# A scheduler's loop and the threads beside it (ZMQ's I/O, the KV-event publisher): one CPU would put them on one
-# another's time.
+# Two, not one: a process the kernel places on one of them (nothing keeps others off) leaves the loop the other.
 CPUS_PER_SCHEDULER = 2
 # Claim nothing that would take more than a quarter of what this process may use: the stack's other processes need
 # the rest more than the scheduler needs to stay put.

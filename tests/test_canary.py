@@ -1,0 +1,83 @@
+"""The worker's canary (the health check behind /ready) on real workers and a real nats-server: it checks the engine
+only when live traffic has not, as Dynamo's canary waits for a quiet spell, and it samples as the engine does by
+default (a greedy request in SGLang's running batch keeps the whole batch on a slower sampling path)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from bus.client import PipelineClient
+from bus.errors import RemoteError
+from schemas.registry import Stage
+from schemas.replies import FinishReason
+from tests.conftest import Bus
+from tests.pipeline_helpers import ask_to_the_end, client_of, mock_processor, running_workers
+from workers.decode import DecodeStage
+from workers.engines.mock import MockEngine, MockEngineConfig
+from workers.engines.protocol import GenerateOutput, GenerateRequest
+
+CANARY_INTERVAL_S = 0.5
+
+
+class CanaryCountingEngine(MockEngine):
+    """A mock engine that keeps every canary it ran, and fails live requests while `failing` is set."""
+
+    def __init__(self) -> None:
+        super().__init__(MockEngineConfig(inter_token_s=0.001))
+        self.canaries: list[GenerateRequest] = []
+        self.failing = False
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:  # type: ignore[override]
+        if request.health_check:
+            self.canaries.append(request)
+        elif self.failing:
+            yield GenerateOutput([], finish_reason=FinishReason.ERROR, error="the engine is broken")
+            return
+        async for output in super().generate(request):
+            yield output
+
+
+async def traffic_for(client: PipelineClient, duration_s: float) -> list[bool]:
+    """Requests one after another for `duration_s`, each read to its end: whether each ended well."""
+    outcomes: list[bool] = []
+    deadline_s = time.monotonic() + duration_s
+    while time.monotonic() < deadline_s:
+        try:
+            await ask_to_the_end(client, max_tokens=2)
+            outcomes.append(True)
+        except RemoteError:
+            outcomes.append(False)
+        await asyncio.sleep(0.05)
+    return outcomes
+
+
+async def test_the_canary_waits_while_live_requests_succeed_and_checks_once_traffic_stops(bus: Bus) -> None:
+    engine = CanaryCountingEngine()
+    specs = [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, DecodeStage(engine, "mock"))]
+    async with running_workers(bus, specs, canary_interval_s=CANARY_INTERVAL_S):
+        client = client_of(bus)
+        await ask_to_the_end(client, max_tokens=2)
+        at_start = len(engine.canaries)  # the one a worker runs before it serves
+        outcomes = await traffic_for(client, duration_s=8 * CANARY_INTERVAL_S)
+        assert outcomes and all(outcomes)
+        assert len(engine.canaries) == at_start  # the traffic was the check
+        await asyncio.sleep(4 * CANARY_INTERVAL_S)  # quiet: the canary checks again
+        assert len(engine.canaries) > at_start
+    # Sampled as the engine samples by default: no temperature, top-k or top-p of its own.
+    assert all(canary.sampling.temperature is None and canary.sampling.top_k is None and canary.sampling.top_p is None
+               for canary in engine.canaries)
+
+
+async def test_failing_live_requests_do_not_stand_in_for_the_canary(bus: Bus) -> None:
+    engine = CanaryCountingEngine()
+    specs = [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, DecodeStage(engine, "mock"))]
+    async with running_workers(bus, specs, canary_interval_s=CANARY_INTERVAL_S):
+        client = client_of(bus)
+        await ask_to_the_end(client, max_tokens=2)
+        engine.failing = True
+        at_start = len(engine.canaries)
+        outcomes = await traffic_for(client, duration_s=8 * CANARY_INTERVAL_S)
+        assert outcomes and not any(outcomes)
+        assert len(engine.canaries) >= at_start + 2  # every interval, traffic or not
