@@ -1,0 +1,108 @@
+"""A stack's SGLang engine against the server's, round by round: before the worker's first canary of the round, and
+after it.
+
+Until the twenty-ninth stop a decode worker sent its canary (a 1-token greedy request) every 30 s, under load too.
+SGLang schedules with overlap: a prefill batch joins the running batch before its results are read, so the canary
+joined while still unfinished, and its sampling flags (greedy: top-k 1) were OR-ed into the running batch's and never
+cleared. Every later step of that batch took SGLang's slower top-k/top-p sampling path, until the batch emptied at the
+end of the round. This reads both engines' own log lines (`sglang_steps.py` explains them) and splits each round at
+the stack's first canary prefill (one sequence of 16 new tokens while requests run).
+
+    python scripts/steps_around_canaries.py docs/results/2026-11-26-h100-e/1-helpers-off-256
+
+A round is a stretch of the server's decode lines with no gap over --gap-s. Only steady windows count: those running
+at least 90% of the most each engine ran in the round (a draining round's fewer requests step faster). The ratio is the stack's
+steps a second per running request over the server's in the same seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sglang_steps import decode_windows, read_lines  # noqa: E402
+
+# The canary's prefill as SGLang logs it: one sequence, its 16-token prompt, while other requests run.
+_CANARY = re.compile(r"Prefill batch, #new-seq: 1, #new-token: 16, .*#running-req: [1-9]")
+_STAMP = re.compile(r"^\[\d{4}-\d\d-\d\d (\d\d):(\d\d):(\d\d)")
+STEADY_SHARE = 0.9
+
+
+def second_of(line: str) -> int | None:
+    stamp = _STAMP.search(line)
+    return int(stamp[1]) * 3600 + int(stamp[2]) * 60 + int(stamp[3]) if stamp else None
+
+
+def rates_of(lines: list[str]) -> list[tuple[int, float, int]]:
+    """(second, steps a second per running request, running requests) of each decode window."""
+    return [(window.second, window.tokens_per_s / window.running, window.running) for window in decode_windows(lines)
+            if window.second is not None and window.running > 0]
+
+
+def steady(rates: list[tuple[int, float, int]], first_s: int, last_s: int) -> list[tuple[int, float]]:
+    """The windows of one round that ran at least STEADY_SHARE of the most it ran."""
+    inside = [rate for rate in rates if first_s <= rate[0] <= last_s]
+    most = max((running for _, _, running in inside), default=0)
+    return [(second, rate) for second, rate, running in inside if running >= STEADY_SHARE * most]
+
+
+def rounds(rates: list[tuple[int, float, int]], gap_s: int) -> list[tuple[int, int]]:
+    """(first, last second) of each stretch of windows with no gap over `gap_s`."""
+    spans: list[tuple[int, int]] = []
+    for second, _, _ in rates:
+        if spans and second - spans[-1][1] <= gap_s:
+            spans[-1] = (spans[-1][0], second)
+        else:
+            spans.append((second, second))
+    return spans
+
+
+def mean_between(rates: list[tuple[int, float]], start_s: float, end_s: float) -> float | None:
+    values = [rate for second, rate in rates if start_s <= second < end_s]
+    return statistics.mean(values) if values else None
+
+
+def ratio(stack: float | None, server: float | None) -> str:
+    return f"{stack / server:.2f}x" if stack is not None and server else "-"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", type=Path, help="a gpu_goals.sh result folder (server-batches.log[.xz] and more)")
+    parser.add_argument("--stack", default="conveyor", help="which stack's batch log: conveyor (stack a) or b")
+    parser.add_argument("--gap-s", type=int, default=15, help="a pause longer than this ends a round")
+    parser.add_argument("--settle-s", type=int, default=5, help="seconds of each round's start left out")
+    args = parser.parse_args()
+
+    def log_of(name: str) -> list[str]:
+        for path in (args.run_dir / f"{name}-batches.log.xz", args.run_dir / f"{name}-batches.log"):
+            if path.exists():
+                return read_lines(path)
+        parser.error(f"no {name}-batches.log[.xz] in {args.run_dir}")
+
+    server_lines, stack_lines = log_of("server"), log_of(args.stack)
+    server_rates, stack_rates = rates_of(server_lines), rates_of(stack_lines)
+    canaries = [second for line in stack_lines if _CANARY.search(line) and (second := second_of(line)) is not None]
+    print(f"{'round':>8}  {'s':>3}  {'before its first canary':>24}  {'after it':>16}  canaries (s into the round)")
+    for first_s, last_s in rounds(server_rates, args.gap_s):
+        if last_s - first_s < 3 * args.settle_s:
+            continue
+        server, stack = steady(server_rates, first_s, last_s), steady(stack_rates, first_s, last_s)
+        inside = [second - first_s for second in canaries if first_s <= second <= last_s]
+        split_s = first_s + inside[0] if inside else last_s + 1
+        start_s = first_s + args.settle_s
+        before = ratio(mean_between(stack, start_s, split_s), mean_between(server, start_s, split_s))
+        # The windows stamped just after the canary still hold steps from before it.
+        after_s = split_s + 3
+        after = ratio(mean_between(stack, after_s, last_s + 1), mean_between(server, after_s, last_s + 1)) \
+            if inside else "-"
+        clock = f"{first_s // 3600:02d}:{first_s % 3600 // 60:02d}:{first_s % 60:02d}"
+        print(f"{clock:>8}  {last_s - first_s:>3}  {before:>24}  {after:>16}  {inside}")
+
+
+if __name__ == "__main__":
+    main()
