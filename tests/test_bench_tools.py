@@ -227,3 +227,22 @@ def test_aiperf_together_runs_warm_up_and_rounds_at_once_and_reports_ratios(tmp_
     assert "tok/s ratio by round: 0.50×, 0.50×" in completed.stdout  # 15000 / 30000 in each round
     for run in ("warmup/sglang-0", "warmup/conveyor-0", "c4/r1/sglang", "c4/r1/conveyor"):
         assert (tmp_path / "out" / run / "profile_export_aiperf.json").exists()
+
+
+def test_steps_around_canaries_split_each_round_at_the_stack_s_first_canary_under_load(tmp_path: Path) -> None:
+    def decode(second: int, tokens_per_s: float) -> str:
+        return (f"[2026-11-26 08:00:{second:02d}] Decode batch, #running-req: 100, token usage: 0.3, "
+                f"gen throughput (token/s): {tokens_per_s:.2f}\n")
+
+    canary = ("[2026-11-26 08:00:20] Prefill batch, #new-seq: 1, #new-token: 16, #cached-token: 0, token usage: 0.3, "
+              "#running-req: 100, #queue-req: 5\n")
+    idle_canary = canary.replace("08:00:20", "08:00:02").replace("#running-req: 100", "#running-req: 0")
+    seconds = range(0, 41, 2)
+    (tmp_path / "server-batches.log").write_text("".join(decode(second, 10000) for second in seconds))
+    # The stack keeps pace until its canary joins the running batch at 20 s, then steps at 0.8x.
+    (tmp_path / "conveyor-batches.log").write_text(
+        idle_canary + "".join(decode(second, 10000 if second <= 20 else 8000) for second in seconds) + canary)
+    done = subprocess.run([sys.executable, str(SCRIPTS / "steps_around_canaries.py"), str(tmp_path)],
+                          capture_output=True, text=True, check=True)
+    rows = [line.split() for line in done.stdout.splitlines()[1:]]
+    assert rows == [["08:00:00", "40", "1.00x", "0.80x", "[20]"]]  # the idle canary at 2 s is not one under load
