@@ -2,11 +2,11 @@
 
 Why: with a small model SGLang's scheduler is a Python loop at 100% of a core, and its steps are the engine's token
 rate. Left free beside a stack's other busy processes (gateways, processor, nats-server, the worker itself) it ran on
-15-16 different CPUs over a 4-minute run and stepped 0.91-0.94x as fast as SGLang's own server measured at the same
-time; with every thread of it held on two CPUs it stepped 1.00x, its stack streaming 1.00x the server's tokens
-(docs/performance.md, twenty-eighth stop). Nothing else had to be kept off those CPUs: holding the scheduler still
-was enough. Only its loop is held there: its helper threads go to the other CPUs, where waking them cannot preempt
-the loop (twenty-ninth stop).
+15-16 different CPUs over a 4-minute run. Held on two, it waited for a CPU 1.6% of its time where a free one beside it
+waited 4.5% (docs/performance.md, twenty-ninth stop). The token rate gained little that could be told apart: the gap
+first put down to moving (twenty-eighth stop) was the worker's canary (twenty-ninth). Only the loop is held there: the
+scheduler's helper threads go to the other CPUs, where waking them cannot preempt it (held with it, ZMQ's I/O thread
+did at every step's send).
 
 A worker claims whole cores from the highest-numbered down (the kernel places new work on low numbers first), with
 one lock file per CPU, so that workers sharing the lock directory (one host, or containers that mount it) take
