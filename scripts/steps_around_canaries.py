@@ -6,7 +6,7 @@ SGLang schedules with overlap: a prefill batch joins the running batch before it
 joined while still unfinished, and its sampling flags (greedy: top-k 1) were OR-ed into the running batch's and never
 cleared. Every later step of that batch took SGLang's slower top-k/top-p sampling path, until the batch emptied at the
 end of the round. This reads both engines' own log lines (`sglang_steps.py` explains them) and splits each round at
-the stack's first canary prefill (one sequence of 16 new tokens while requests run).
+the stack's first canary prefill while requests run (`canary_seconds` says how it is told).
 
     python scripts/steps_around_canaries.py docs/results/2026-11-26-h100-e/1-helpers-off-256
 
@@ -26,10 +26,35 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sglang_steps import decode_windows, read_lines  # noqa: E402
 
-# The canary's prefill as SGLang logs it: one sequence, its 16-token prompt, while other requests run.
-_CANARY = re.compile(r"Prefill batch, #new-seq: 1, #new-token: 16, .*#running-req: [1-9]")
-_STAMP = re.compile(r"^\[\d{4}-\d\d-\d\d (\d\d):(\d\d):(\d\d)")
+# A prefill batch while other requests run. The canary's prompt is not aiperf's chat template, so none of it is cached:
+# alone, it is one sequence of 16 new tokens and none cached; batched with live requests (each finding its 16-token
+# template prefix cached), one page fewer cached tokens than sequences. Only an isolated such batch counts: at a round's
+# start many live requests find nothing cached yet, in bursts of lines within a second or two.
+_PREFILL = re.compile(r"Prefill batch, #new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+), .*#running-req: [1-9]")
+PAGE_TOKENS = 16
+ISOLATED_S = 2
 STEADY_SHARE = 0.9
+_STAMP = re.compile(r"^\[\d{4}-\d\d-\d\d (\d\d):(\d\d):(\d\d)")
+
+
+def canary_seconds(lines: list[str]) -> list[int]:
+    alone: list[int] = []
+    one_uncached: list[int] = []
+    uncached: list[int] = []  # every prefill batch with a sequence that found nothing cached
+    for line in lines:
+        prefill, second = _PREFILL.search(line), second_of(line)
+        if prefill is None or second is None:
+            continue
+        sequences, new_tokens, cached_tokens = (int(prefill[index]) for index in (1, 2, 3))
+        if (sequences, new_tokens, cached_tokens) == (1, PAGE_TOKENS, 0):
+            alone.append(second)
+        elif cached_tokens < PAGE_TOKENS * sequences:
+            uncached.append(second)
+            if cached_tokens == PAGE_TOKENS * (sequences - 1):
+                one_uncached.append(second)
+    batched = [second for second in one_uncached
+               if sum(abs(other - second) <= ISOLATED_S for other in uncached) == 1]
+    return sorted(alone + batched)
 
 
 def second_of(line: str) -> int | None:
@@ -86,7 +111,7 @@ def main() -> None:
 
     server_lines, stack_lines = log_of("server"), log_of(args.stack)
     server_rates, stack_rates = rates_of(server_lines), rates_of(stack_lines)
-    canaries = [second for line in stack_lines if _CANARY.search(line) and (second := second_of(line)) is not None]
+    canaries = canary_seconds(stack_lines)
     print(f"{'round':>8}  {'s':>3}  {'before its first canary':>24}  {'after it':>16}  canaries (s into the round)")
     for first_s, last_s in rounds(server_rates, args.gap_s):
         if last_s - first_s < 3 * args.settle_s:

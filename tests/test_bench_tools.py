@@ -234,15 +234,19 @@ def test_steps_around_canaries_split_each_round_at_the_stack_s_first_canary_unde
         return (f"[2026-11-26 08:00:{second:02d}] Decode batch, #running-req: 100, token usage: 0.3, "
                 f"gen throughput (token/s): {tokens_per_s:.2f}\n")
 
-    canary = ("[2026-11-26 08:00:20] Prefill batch, #new-seq: 1, #new-token: 16, #cached-token: 0, token usage: 0.3, "
-              "#running-req: 100, #queue-req: 5\n")
-    idle_canary = canary.replace("08:00:20", "08:00:02").replace("#running-req: 100", "#running-req: 0")
+    def prefill(second: int, sequences: int, new_tokens: int, cached_tokens: int, running: int = 100) -> str:
+        return (f"[2026-11-26 08:00:{second:02d}] Prefill batch, #new-seq: {sequences}, #new-token: {new_tokens}, "
+                f"#cached-token: {cached_tokens}, token usage: 0.3, #running-req: {running}, #queue-req: 5\n")
+
     seconds = range(0, 41, 2)
     (tmp_path / "server-batches.log").write_text("".join(decode(second, 10000) for second in seconds))
     # The stack keeps pace until its canary joins the running batch at 20 s, then steps at 0.8x.
     (tmp_path / "conveyor-batches.log").write_text(
-        idle_canary + "".join(decode(second, 10000 if second <= 20 else 8000) for second in seconds) + canary)
+        prefill(2, 1, 16, 0, running=0)  # a canary while idle: not one under load
+        + prefill(4, 2, 900, 0) + prefill(5, 1, 400, 0)  # a round's first requests, nothing cached yet
+        + "".join(decode(second, 10000 if second <= 20 else 8000) for second in seconds)
+        + prefill(20, 3, 916, 32))  # the canary (16 tokens, none cached) batched with two live requests
     done = subprocess.run([sys.executable, str(SCRIPTS / "steps_around_canaries.py"), str(tmp_path)],
                           capture_output=True, text=True, check=True)
     rows = [line.split() for line in done.stdout.splitlines()[1:]]
-    assert rows == [["08:00:00", "40", "1.00x", "0.80x", "[20]"]]  # the idle canary at 2 s is not one under load
+    assert rows == [["08:00:00", "40", "1.00x", "0.80x", "[20]"]]
