@@ -61,7 +61,7 @@ async def running_workers(bus: Bus, specs: Sequence[tuple[Stage, PipelineStage]]
                           modes: Sequence[ServingMode] = (),
                           kv_events_interval_s: float = 0.005, kv_events: bool = True,
                           queue_ahead: int | None = None,
-                          canary_interval_s: float = 3600) -> AsyncIterator[list[Worker]]:
+                          canary_wait_s: float = 3600) -> AsyncIterator[list[Worker]]:
     """`pools` / `modes`: the pool / serving mode of each worker in `specs`, in order (missing: none / `mode`)."""
     workers: list[Worker] = []
     try:
@@ -69,7 +69,7 @@ async def running_workers(bus: Bus, specs: Sequence[tuple[Stage, PipelineStage]]
             options = WorkerOptions(stage=stage_kind, model=model, mode=modes[index] if index < len(modes) else mode,
                                     engine_name="test",
                                     http_host="127.0.0.1", shutdown_grace_s=grace_s, max_concurrency=max_concurrency,
-                                    canary_interval_s=canary_interval_s, handle_signals=False,
+                                    canary_wait_s=canary_wait_s, handle_signals=False,
                                     kv_events=kv_events, kv_events_interval_s=kv_events_interval_s,
                                     queue_ahead=queue_ahead, pool=pools[index] if index < len(pools) else None)
             runtime = WorkerRuntime(stage, options, bus.nats_settings, bus.settings)

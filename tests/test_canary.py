@@ -18,7 +18,7 @@ from workers.decode import DecodeStage
 from workers.engines.mock import MockEngine, MockEngineConfig
 from workers.engines.protocol import GenerateOutput, GenerateRequest
 
-CANARY_INTERVAL_S = 0.5
+CANARY_WAIT_S = 0.5
 
 
 class CanaryCountingEngine(MockEngine):
@@ -56,14 +56,14 @@ async def traffic_for(client: PipelineClient, duration_s: float) -> list[bool]:
 async def test_the_canary_waits_while_live_requests_succeed_and_checks_once_traffic_stops(bus: Bus) -> None:
     engine = CanaryCountingEngine()
     specs = [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, DecodeStage(engine, "mock"))]
-    async with running_workers(bus, specs, canary_interval_s=CANARY_INTERVAL_S):
+    async with running_workers(bus, specs, canary_wait_s=CANARY_WAIT_S):
         client = client_of(bus)
         await ask_to_the_end(client, max_tokens=2)
         at_start = len(engine.canaries)  # the one a worker runs before it serves
-        outcomes = await traffic_for(client, duration_s=8 * CANARY_INTERVAL_S)
+        outcomes = await traffic_for(client, duration_s=8 * CANARY_WAIT_S)
         assert outcomes and all(outcomes)
         assert len(engine.canaries) == at_start  # the traffic was the check
-        await asyncio.sleep(4 * CANARY_INTERVAL_S)  # quiet: the canary checks again
+        await asyncio.sleep(4 * CANARY_WAIT_S)  # quiet: the canary checks again
         assert len(engine.canaries) > at_start
     # Sampled as the engine samples by default: no temperature, top-k or top-p of its own.
     assert all(canary.sampling.temperature is None and canary.sampling.top_k is None and canary.sampling.top_p is None
@@ -73,11 +73,11 @@ async def test_the_canary_waits_while_live_requests_succeed_and_checks_once_traf
 async def test_failing_live_requests_do_not_stand_in_for_the_canary(bus: Bus) -> None:
     engine = CanaryCountingEngine()
     specs = [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, DecodeStage(engine, "mock"))]
-    async with running_workers(bus, specs, canary_interval_s=CANARY_INTERVAL_S):
+    async with running_workers(bus, specs, canary_wait_s=CANARY_WAIT_S):
         client = client_of(bus)
         await ask_to_the_end(client, max_tokens=2)
         engine.failing = True
         at_start = len(engine.canaries)
-        outcomes = await traffic_for(client, duration_s=8 * CANARY_INTERVAL_S)
+        outcomes = await traffic_for(client, duration_s=8 * CANARY_WAIT_S)
         assert outcomes and not any(outcomes)
         assert len(engine.canaries) >= at_start + 2  # every interval, traffic or not

@@ -249,7 +249,7 @@ async def test_kv_event_batches_arriving_together_are_published_as_one_message(b
 async def test_a_worker_in_its_own_process_takes_its_startup_objects_out_of_the_collector_once_ready(
         bus: Bus, freeze_gc: bool) -> None:
     options = WorkerOptions(stage=Stage.DECODE, model=MOCK, mode=ServingMode.AGGREGATED, engine_name="test",
-                            http_host="127.0.0.1", canary_interval_s=3600, handle_signals=False)
+                            http_host="127.0.0.1", canary_wait_s=3600, handle_signals=False)
     runtime = WorkerRuntime(mock_decode(), options, bus.nats_settings, bus.settings)
     gc.unfreeze()
     serving = asyncio.create_task(run_in_own_process(runtime, freeze_gc))

@@ -60,7 +60,7 @@ async def start_role_workers(server: EmbeddedNatsServer, bus: BusSettings,
     runtimes = []
     for stage, built in ((Stage.PROCESSOR, mock_processor()), (Stage.DECODE, mock_decode(inter_token_s=inter_token_s))):
         options = WorkerOptions(stage=stage, model=MOCK, mode=ServingMode.AGGREGATED, engine_name="mock",
-                                http_host="127.0.0.1", handle_signals=False, canary_interval_s=3600)
+                                http_host="127.0.0.1", handle_signals=False, canary_wait_s=3600)
         runtime = WorkerRuntime(built, options, as_user(server, stage.value), bus)
         runtimes.append((runtime, asyncio.create_task(runtime.run())))
         await asyncio.wait_for(runtime.started.wait(), timeout=30)

@@ -257,6 +257,9 @@ def worker(
         "requests reaches the engine one per pull. On the H100 that did not keep SGLang from prefilling a burst "
         "in groups while streams decode (it collects what arrives during a prefill): docs/performance.md."))] = 8,
     shutdown_grace_s: Annotated[float, typer.Option(help="On SIGTERM, how long in-flight work may finish before it is handed back.")] = 30.0,
+    canary_wait_s: Annotated[float, typer.Option(min=1.0, envvar="CONVEYOR_CANARY_WAIT_S", help=(
+        "After this long with no request ending well, the worker sends its engine a 1-token canary (the health "
+        "check behind /ready); while requests succeed they are the check (Dynamo's DYN_CANARY_WAIT_TIME)."))] = 30.0,
     load_format: Annotated[str, typer.Option(help="auto, or dummy (random weights; for benchmarks).")] = "auto",
     coalesce_ms: Annotated[float, typer.Option(min=0.0, help="Merge a stream's tokens arriving within this window into one frame (fewer messages at high token rates).")] = 0.0,
     freeze_gc: Annotated[bool, typer.Option(help=(
@@ -355,8 +358,8 @@ def worker(
         engine_name=engine_kind.value, http_host=http_host,
         http_port=http_port, max_concurrency=max_concurrency or _DEFAULT_CONCURRENCY.get(stage_kind),
         queue_ahead=queue_ahead, fetch_batch=fetch_batch, shutdown_grace_s=shutdown_grace_s,
-        coalesce_window_s=coalesce_ms / 1000, kv_events=kv_events, kv_events_interval_s=kv_events_interval_ms / 1000,
-        pool=pool,
+        canary_wait_s=canary_wait_s, coalesce_window_s=coalesce_ms / 1000, kv_events=kv_events,
+        kv_events_interval_s=kv_events_interval_ms / 1000, pool=pool,
     )
     run_loop(run_in_own_process(WorkerRuntime(built, options, nats_settings, bus_settings), freeze_gc))
 

@@ -85,7 +85,7 @@ class WorkerOptions:
     shutdown_grace_s: float = 30.0
     # The canary re-checks the engine after this long without a task ending well (Dynamo's DYN_CANARY_WAIT_TIME): live
     # traffic is the check while it flows.
-    canary_interval_s: float = 30.0
+    canary_wait_s: float = 30.0
     coalesce_window_s: float = 0.0
     # Publish the engine's KV events to the KV-events stream (what a `--router kv` processor indexes).
     kv_events: bool = True
@@ -469,10 +469,10 @@ class WorkerRuntime:
         QUEUE_TASKS.labels(**labels, state="delivered").set(delivered)
 
     async def _canary_loop(self) -> None:
-        while not await sleep_unless(self._stopping, self.options.canary_interval_s):
+        while not await sleep_unless(self._stopping, self.options.canary_wait_s):
             if self._not_ready_reason not in (None, "canary failed"):
                 continue  # paused or stopping: not the canary's business
-            if self._not_ready_reason is None and self._served_within(self.options.canary_interval_s):
+            if self._not_ready_reason is None and self._served_within(self.options.canary_wait_s):
                 # A synthetic request in a busy engine costs real work: SGLang keeps a greedy request's slower sampling
                 # path for its whole running batch (docs/performance.md, twenty-ninth stop).
                 continue
