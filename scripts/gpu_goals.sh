@@ -140,6 +140,15 @@ case "${1:-}" in
             python3 scripts/sglang_steps.py "${engines[@]}" --min-running 32 "${by_time[@]}" \
                 > "$out/engine-steps.txt" 2>&1 || true
             cat "$out/engine-steps.txt"
+            # Each round split at the stack's first canary under load (since the twenty-ninth stop there should be
+            # none: a canary in SGLang's running batch slowed every later step of it).
+            rm -f "$out/canary-split.txt"
+            for stack in conveyor b; do
+                [ -s "$out/$stack-batches.log" ] || continue
+                { echo "$stack:"; python3 scripts/steps_around_canaries.py "$out" --stack "$stack"; } \
+                    >> "$out/canary-split.txt" 2>&1 || true
+            done
+            cat "$out/canary-split.txt" 2>/dev/null || true
         fi
         if [ -s "$dir/sched.log" ]; then  # each scheduler's wait for a CPU, over its loaded intervals
             bash scripts/gpu_run.sh python3 scripts/sched_wait.py --summary "$dir/sched.log" > "$out/sched-wait.txt" 2>&1 || true
