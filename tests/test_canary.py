@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from bus.client import PipelineClient
 from bus.errors import RemoteError
@@ -22,21 +23,35 @@ CANARY_WAIT_S = 0.5
 
 
 class CanaryCountingEngine(MockEngine):
-    """A mock engine that keeps every canary it ran, and fails live requests while `failing` is set."""
+    """A mock engine that keeps every canary it ran and when, and fails live requests while `failing` is set."""
 
     def __init__(self) -> None:
         super().__init__(MockEngineConfig(inter_token_s=0.001))
-        self.canaries: list[GenerateRequest] = []
+        self.canaries: list[tuple[float, GenerateRequest]] = []  # (time.monotonic(), the request)
         self.failing = False
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:  # type: ignore[override]
         if request.health_check:
-            self.canaries.append(request)
+            self.canaries.append((time.monotonic(), request))
         elif self.failing:
             yield GenerateOutput([], finish_reason=FinishReason.ERROR, error="the engine is broken")
             return
         async for output in super().generate(request):
             yield output
+
+    def canaries_between(self, start_s: float, end_s: float) -> int:
+        return sum(start_s <= at_s <= end_s for at_s, _ in self.canaries)
+
+
+@asynccontextmanager
+async def serving(bus: Bus) -> AsyncIterator[tuple[CanaryCountingEngine, PipelineClient]]:
+    """A processor and a decode worker whose canary waits CANARY_WAIT_S, once a first request went through."""
+    engine = CanaryCountingEngine()
+    specs = [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, DecodeStage(engine, "mock"))]
+    async with running_workers(bus, specs, canary_wait_s=CANARY_WAIT_S):
+        client = client_of(bus)
+        await ask_to_the_end(client, max_tokens=2)
+        yield engine, client
 
 
 async def traffic_for(client: PipelineClient, duration_s: float) -> list[bool]:
@@ -54,30 +69,24 @@ async def traffic_for(client: PipelineClient, duration_s: float) -> list[bool]:
 
 
 async def test_the_canary_waits_while_live_requests_succeed_and_checks_once_traffic_stops(bus: Bus) -> None:
-    engine = CanaryCountingEngine()
-    specs = [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, DecodeStage(engine, "mock"))]
-    async with running_workers(bus, specs, canary_wait_s=CANARY_WAIT_S):
-        client = client_of(bus)
-        await ask_to_the_end(client, max_tokens=2)
-        at_start = len(engine.canaries)  # the one a worker runs before it serves
+    async with serving(bus) as (engine, client):
+        started_s = time.monotonic()
         outcomes = await traffic_for(client, duration_s=8 * CANARY_WAIT_S)
+        ended_s = time.monotonic()
         assert outcomes and all(outcomes)
-        assert len(engine.canaries) == at_start  # the traffic was the check
+        # Once requests had been ending well for a whole wait, they were the check.
+        assert engine.canaries_between(started_s + CANARY_WAIT_S, ended_s) == 0
         await asyncio.sleep(4 * CANARY_WAIT_S)  # quiet: the canary checks again
-        assert len(engine.canaries) > at_start
+        assert engine.canaries_between(ended_s, time.monotonic()) >= 1
     # Sampled as the engine samples by default: no temperature, top-k or top-p of its own.
     assert all(canary.sampling.temperature is None and canary.sampling.top_k is None and canary.sampling.top_p is None
-               for canary in engine.canaries)
+               for _, canary in engine.canaries)
 
 
 async def test_failing_live_requests_do_not_stand_in_for_the_canary(bus: Bus) -> None:
-    engine = CanaryCountingEngine()
-    specs = [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, DecodeStage(engine, "mock"))]
-    async with running_workers(bus, specs, canary_wait_s=CANARY_WAIT_S):
-        client = client_of(bus)
-        await ask_to_the_end(client, max_tokens=2)
+    async with serving(bus) as (engine, client):
         engine.failing = True
-        at_start = len(engine.canaries)
+        started_s = time.monotonic()
         outcomes = await traffic_for(client, duration_s=8 * CANARY_WAIT_S)
         assert outcomes and not any(outcomes)
-        assert len(engine.canaries) >= at_start + 2  # every interval, traffic or not
+        assert engine.canaries_between(started_s, time.monotonic()) >= 2  # every wait, traffic or not

@@ -136,10 +136,13 @@ def child_processes(parent: int, title: str) -> list[int]:
                   if command.startswith(title) and parent_pid(pid) == parent)
 
 
-def pin_threads(pid: int, cpus: list[int]) -> int:
-    """Every thread of `pid` to `cpus` (threads it starts later take their starter's CPUs); how many took it."""
+def pin_threads(pid: int, cpus: list[int], but: int | None = None) -> int:
+    """Every thread of `pid` but the one whose id is `but` to `cpus` (threads it starts later take their starter's
+    CPUs); how many took it."""
     done = 0
     for task in Path(f"/proc/{pid}/task").glob("*"):
+        if int(task.name) == but:
+            continue
         try:
             os.sched_setaffinity(int(task.name), cpus)
             done += 1
@@ -198,14 +201,4 @@ def hold_main_thread(pid: int, cpus: list[int]) -> int:
         os.sched_setaffinity(pid, cpus)  # the thread whose id is the process id: SGLang's scheduling loop
     except OSError:  # the scheduler ended meanwhile
         return 0
-    elsewhere = sorted(allowed - set(cpus)) or cpus
-    moved = 0
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        if int(task.name) == pid:
-            continue
-        try:
-            os.sched_setaffinity(int(task.name), elsewhere)
-            moved += 1
-        except OSError:  # a thread that ended meanwhile
-            continue
-    return moved
+    return pin_threads(pid, sorted(allowed - set(cpus)) or cpus, but=pid)
