@@ -14,6 +14,7 @@ from bus.errors import RemoteError
 from schemas.registry import Stage
 from schemas.replies import FinishReason
 from tests.conftest import Bus
+from tests.helpers import metric
 from tests.pipeline_helpers import ask_to_the_end, client_of, mock_processor, running_workers
 from workers.decode import DecodeStage
 from workers.engines.mock import MockEngine, MockEngineConfig
@@ -68,16 +69,23 @@ async def traffic_for(client: PipelineClient, duration_s: float) -> list[bool]:
     return outcomes
 
 
+def canary_count(outcome: str) -> float:
+    return metric("conveyor_canaries_total", stage="decode", outcome=outcome)
+
+
 async def test_the_canary_waits_while_live_requests_succeed_and_checks_once_traffic_stops(bus: Bus) -> None:
     async with serving(bus) as (engine, client):
+        deferred, passed = canary_count("deferred"), canary_count("passed")
         started_s = time.monotonic()
         outcomes = await traffic_for(client, duration_s=8 * CANARY_WAIT_S)
         ended_s = time.monotonic()
         assert outcomes and all(outcomes)
         # Once requests had been ending well for a whole wait, they were the check.
         assert engine.canaries_between(started_s + CANARY_WAIT_S, ended_s) == 0
+        assert canary_count("deferred") >= deferred + 4  # counted for the operator, every wait
         await asyncio.sleep(4 * CANARY_WAIT_S)  # quiet: the canary checks again
         assert engine.canaries_between(ended_s, time.monotonic()) >= 1
+        assert canary_count("passed") > passed
     # Sampled as the engine samples by default: no temperature, top-k or top-p of its own.
     assert all(canary.sampling.temperature is None and canary.sampling.top_k is None and canary.sampling.top_p is None
                for _, canary in engine.canaries)
@@ -86,7 +94,9 @@ async def test_the_canary_waits_while_live_requests_succeed_and_checks_once_traf
 async def test_failing_live_requests_do_not_stand_in_for_the_canary(bus: Bus) -> None:
     async with serving(bus) as (engine, client):
         engine.failing = True
+        failed = canary_count("failed")
         started_s = time.monotonic()
         outcomes = await traffic_for(client, duration_s=8 * CANARY_WAIT_S)
         assert outcomes and not any(outcomes)
         assert engine.canaries_between(started_s, time.monotonic()) >= 2  # every wait, traffic or not
+        assert canary_count("failed") == failed  # the engine answers its canary: the live requests' failures are theirs

@@ -38,8 +38,8 @@ from bus.connection import connect
 from bus.consumer import ConsumerOptions, Delivery, WorkConsumer
 from bus.kv_events import KvEventPublisher
 from bus.lifecycle import event_loop_lag_observed, freeze_startup_objects, observe_gc_pauses, sleep_unless, stop_tasks
-from bus.metrics import (CACHE_HIT_RATE, ENGINE_RUNNING, ENGINE_WAITING, KV_EVENT_BATCHES, KV_USAGE, QUEUE_TASKS,
-                         WORKER_READY)
+from bus.metrics import (CACHE_HIT_RATE, CANARIES, ENGINE_RUNNING, ENGINE_WAITING, KV_EVENT_BATCHES, KV_USAGE,
+                         QUEUE_TASKS, WORKER_READY)
 from bus.publish import TaskPublisher
 from bus.registry import Registration, live_workers
 from bus.sessions import SessionPlaces, ensure_session_bucket
@@ -469,17 +469,22 @@ class WorkerRuntime:
         QUEUE_TASKS.labels(**labels, state="delivered").set(delivered)
 
     async def _canary_loop(self) -> None:
+        outcomes = {outcome: CANARIES.labels(stage=self.options.stage.value, outcome=outcome)
+                    for outcome in ("passed", "failed", "deferred")}
         while not await sleep_unless(self._stopping, self.options.canary_wait_s):
             if self._not_ready_reason not in (None, "canary failed"):
                 continue  # paused or stopping: not the canary's business
             if self._not_ready_reason is None and self._served_within(self.options.canary_wait_s):
                 # A synthetic request in a busy engine costs real work: SGLang keeps a greedy request's slower sampling
                 # path for its whole running batch (docs/performance.md, twenty-ninth stop).
+                outcomes["deferred"].inc()
                 continue
             try:
                 await asyncio.wait_for(self._stage.canary(), timeout=60)
+                outcomes["passed"].inc()
                 self._set_ready(None)
             except Exception as error:
+                outcomes["failed"].inc()
                 log.error("worker.canary_failed", error=repr(error))
                 self._set_ready("canary failed")
 
