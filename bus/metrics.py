@@ -52,7 +52,7 @@ KV_USAGE = Gauge("conveyor_kv_cache_usage_ratio", "Used fraction of the engine's
 CACHE_HIT_RATE = Gauge("conveyor_prefix_cache_hit_ratio", "Prompt tokens served from the prefix cache", ["stage", "model"])
 KV_EVENT_BATCHES = Counter("conveyor_kv_event_batches_total", "KV-event batches relayed to the stream", ["stage"])
 WORKER_READY = Gauge("conveyor_worker_ready", "1 when the worker takes work", ["stage"])
-# The canary's checks of a worker's engine (outcome: passed | failed | deferred, when requests ending well were the check).
+# The canary's checks of a worker's engine (outcome: passed | failed | deferred: requests ending well were the check).
 CANARIES = Counter("conveyor_canaries_total", "Canary checks of the worker's engine", ["stage", "outcome"])
 
 # Multimodal: the encode stage's embedding cache (result: hit | miss) and its NIXL handoffs
