@@ -39,15 +39,21 @@ class Window:
     second: int | None  # of the clock (since midnight), where the line is stamped
 
 
+def second_of(line: str) -> int | None:
+    """The second of the clock (since midnight) a line is stamped with, where it is."""
+    stamp = _STAMP.search(line)
+    return int(stamp[1]) * 3600 + int(stamp[2]) * 60 + int(stamp[3]) if stamp else None
+
+
 def decode_windows(lines: list[str]) -> list[Window]:
     windows = []
     for line in lines:
         if not (decode := _DECODE.search(line)):
             continue
-        usage, stamp = _USAGE.search(line), _STAMP.search(line)
+        usage = _USAGE.search(line)
         windows.append(Window(
             running=int(decode[1]), tokens_per_s=float(decode[2]), token_usage=float(usage[1]) if usage else None,
-            second=int(stamp[1]) * 3600 + int(stamp[2]) * 60 + int(stamp[3]) if stamp else None))
+            second=second_of(line)))
     return windows
 
 

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sglang_steps import decode_windows, read_lines  # noqa: E402
+from sglang_steps import decode_windows, read_lines, second_of  # noqa: E402
 
 # A prefill batch while other requests run. The canary's prompt is not aiperf's chat template, so none of it is cached:
 # alone, it is one sequence of 16 new tokens and none cached; batched with live requests (each finding its 16-token
@@ -34,7 +34,6 @@ _PREFILL = re.compile(r"Prefill batch, #new-seq: (\d+), #new-token: (\d+), #cach
 PAGE_TOKENS = 16
 ISOLATED_S = 2
 STEADY_SHARE = 0.9
-_STAMP = re.compile(r"^\[\d{4}-\d\d-\d\d (\d\d):(\d\d):(\d\d)")
 
 
 def canary_seconds(lines: list[str]) -> list[int]:
@@ -55,11 +54,6 @@ def canary_seconds(lines: list[str]) -> list[int]:
     batched = [second for second in one_uncached
                if sum(abs(other - second) <= ISOLATED_S for other in uncached) == 1]
     return sorted(alone + batched)
-
-
-def second_of(line: str) -> int | None:
-    stamp = _STAMP.search(line)
-    return int(stamp[1]) * 3600 + int(stamp[2]) * 60 + int(stamp[3]) if stamp else None
 
 
 def rates_of(lines: list[str]) -> list[tuple[int, float, int]]:
