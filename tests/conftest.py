@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -17,6 +18,11 @@ from bus.server import EmbeddedNatsServer
 from bus.settings import BusSettings, NatsSettings
 from bus.streams import declare_all, delete_all
 from bus.subjects import Names
+
+# Worker processes the tests start read their streams' caps from the environment. JetStream reserves every cap up
+# front against 75% of the disk's free space: small caps keep the suite passing on a nearly full disk.
+os.environ.setdefault("CONVEYOR_WORK_MAX_BYTES", str(8 << 20))
+os.environ.setdefault("CONVEYOR_JOURNAL_MAX_BYTES", str(8 << 20))
 
 
 @pytest.fixture(scope="session")

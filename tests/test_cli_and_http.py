@@ -117,6 +117,17 @@ def test_streams_command_declares_and_lists_the_namespace(nats_server: EmbeddedN
     CliRunner().invoke(app, ["streams", "--nats", nats_server.url, "--namespace", "clitest", "--delete"])
 
 
+def test_a_server_with_no_room_for_the_streams_is_one_message_and_exit_code_1(tmp_path: Path) -> None:
+    config = tmp_path / "small-store.conf"
+    config.write_text("jetstream { max_file_store: 4MB }\n")
+    with EmbeddedNatsServer(store_dir=tmp_path / "store", config_file=config) as server:
+        result = CliRunner().invoke(app, ["streams", "--nats", server.url, "--namespace", "full", "--declare"],
+                                    env={"CONVEYOR_WORK_MAX_BYTES": str(8 << 20)})
+    assert result.exit_code == 1
+    assert "no room to reserve stream FULL_" in result.output and "CONVEYOR_WORK_MAX_BYTES" in result.output
+    assert "Traceback" not in result.output
+
+
 def test_unreachable_nats_is_reported_with_the_url() -> None:
     result = CliRunner().invoke(app, ["streams", "--nats", "nats://127.0.0.1:1"], env={"CONVEYOR_NATS_INITIAL_CONNECT_TIMEOUT_S": "2"})
     assert result.exit_code != 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -113,5 +114,68 @@ async def test_message_limit_is_capped_by_the_servers_max_payload() -> None:
             await declare_all(nc.jetstream(), Names("capped"), settings, nc.max_payload)
             info = await nc.jetstream().stream_info("CAPPED_WORK_DECODE")
             assert info.config.max_msg_size == 256 * 1024
+        finally:
+            await nc.close()
+
+
+async def test_a_store_too_small_for_the_streams_fails_at_once_saying_which_setting_to_change(tmp_path: Path) -> None:
+    # The server reserves every stream's cap up front; a full disk gives it the same small limit as this config.
+    config = tmp_path / "small-store.conf"
+    config.write_text("jetstream { max_file_store: 16MB }\n")
+    from bus.connection import connect
+    from bus.settings import NatsSettings
+    from bus.streams import StoreTooSmall, declare_all_when_ready
+
+    with EmbeddedNatsServer(store_dir=tmp_path / "store", config_file=config) as server:
+        nc = await connect(NatsSettings(urls=[server.url]), "small-store")
+        try:
+            settings = BusSettings(namespace="cramped", work_max_bytes=8 << 20)
+            started_s = asyncio.get_running_loop().time()
+            with pytest.raises(StoreTooSmall, match="CONVEYOR_WORK_MAX_BYTES") as refused:
+                await declare_all_when_ready(nc.jetstream(), Names("cramped"), settings, nc.max_payload,
+                                             timeout_s=30)
+            # Not retried for the whole timeout: waiting makes no room.
+            assert asyncio.get_running_loop().time() - started_s < 5
+            assert "CRAMPED_" in str(refused.value) and "max_file_store" in str(refused.value)
+        finally:
+            await nc.close()
+
+
+async def test_a_server_we_start_on_a_nearly_full_disk_still_takes_the_streams(tmp_path: Path) -> None:
+    # Caps summing past 75% of the free disk stand for the default caps on a nearly full disk.
+    from bus.connection import connect
+    from bus.settings import NatsSettings
+    from bus.streams import StoreTooSmall
+
+    free_bytes = shutil.disk_usage(tmp_path).free
+    settings = BusSettings(namespace="roomy", work_max_bytes=free_bytes // 4)
+    for floor_bytes, fits in ((0, False), (4 * free_bytes, True)):
+        store = tmp_path / f"floor-{floor_bytes}"
+        store.mkdir()
+        with EmbeddedNatsServer(store_dir=store, file_store_floor_bytes=floor_bytes) as server:
+            nc = await connect(NatsSettings(urls=[server.url]), "roomy")
+            try:
+                if fits:
+                    await declare_all(nc.jetstream(), Names("roomy"), settings, nc.max_payload)
+                    assert len(await report(nc.jetstream(), Names("roomy"))) == len(Names("roomy").all_streams)
+                else:
+                    with pytest.raises(StoreTooSmall):
+                        await declare_all(nc.jetstream(), Names("roomy"), settings, nc.max_payload)
+            finally:
+                await nc.close()
+
+
+async def test_a_payload_limit_and_a_config_file_apply_together(tmp_path: Path) -> None:
+    from bus.connection import connect
+    from bus.settings import NatsSettings
+
+    config = tmp_path / "conf" / "named.conf"
+    config.parent.mkdir()
+    config.write_text("server_name: named-by-file\n")
+    with EmbeddedNatsServer(store_dir=tmp_path / "store", config_file=config, max_payload_bytes=256 * 1024) as server:
+        nc = await connect(NatsSettings(urls=[server.url]), "both")
+        try:
+            assert nc.max_payload == 256 * 1024
+            assert nc._server_info["server_name"] == "named-by-file"
         finally:
             await nc.close()

@@ -71,7 +71,7 @@ def streams(
     """Show the namespace's streams (work queues, control, KV events, registry) and their contents."""
     configure_logging(log_level)
     nats_settings, bus_settings = load_settings(nats, namespace)
-    run_loop(_streams(nats_settings, bus_settings, declare, delete))
+    _run_server_side(_streams(nats_settings, bus_settings, declare, delete))
 
 
 async def _streams(nats: NatsSettings, bus: BusSettings, declare: bool, delete: bool) -> None:
@@ -187,7 +187,7 @@ def smoke(
     configure_logging(log_level)
     nats_settings, bus_settings = load_settings(nats, namespace)
     embedded = nats is None and "CONVEYOR_NATS_URLS" not in os.environ
-    run_loop(run_smoke(nats_settings, bus_settings, embedded, prompt))
+    _run_server_side(run_smoke(nats_settings, bus_settings, embedded, prompt))
 
 
 @app.command()
@@ -361,7 +361,7 @@ def worker(
         canary_wait_s=canary_wait_s, coalesce_window_s=coalesce_ms / 1000, kv_events=kv_events,
         kv_events_interval_s=kv_events_interval_ms / 1000, pool=pool,
     )
-    run_loop(run_in_own_process(WorkerRuntime(built, options, nats_settings, bus_settings), freeze_gc))
+    _run_server_side(run_in_own_process(WorkerRuntime(built, options, nats_settings, bus_settings), freeze_gc))
 
 
 def _default_model(stage: object, engine: object) -> str:
@@ -439,6 +439,18 @@ def run_loop(main: Coroutine[Any, Any, T]) -> T:
             with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
                 return runner.run(main)
     return asyncio.run(main)
+
+
+def _run_server_side(main: Coroutine[Any, Any, T]) -> T:
+    """Run a command that declares the streams; a server with no room for them is one paragraph on stderr and
+    exit code 1, not a traceback."""
+    from bus.streams import StoreTooSmall
+
+    try:
+        return run_loop(main)
+    except StoreTooSmall as error:
+        typer.echo(f"[conveyor] {error}", err=True)
+        raise typer.Exit(1) from None
 
 
 def _run_client(command: Coroutine[Any, Any, T]) -> T:
