@@ -82,6 +82,8 @@ class EmbeddedNatsServer:
         self.config_file = config_file
         self.max_payload_bytes = max_payload_bytes
         self.file_store_floor_bytes = file_store_floor_bytes
+        # Set by start() when the disk's free space gave the server less than the floor, and it got the floor.
+        self.file_store_raised = False
         # "tls" when config_file turns TLS on, so clients are told to use it.
         self.scheme = scheme
         self._temp_dir: tempfile.TemporaryDirectory[str] | None = None
@@ -111,7 +113,8 @@ class EmbeddedNatsServer:
         file store limit to the floor on a nearly full disk (the server has no command-line flag for either).
         What the given file sets wins."""
         lines = [f"max_payload: {self.max_payload_bytes}"] if self.max_payload_bytes is not None else []
-        if 0.75 * shutil.disk_usage(self.store_dir).free < self.file_store_floor_bytes:
+        self.file_store_raised = 0.75 * shutil.disk_usage(self.store_dir).free < self.file_store_floor_bytes
+        if self.file_store_raised:
             lines.append(f"jetstream {{ max_file_store: {self.file_store_floor_bytes} }}")
         if not lines:
             return self.config_file
