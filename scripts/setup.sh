@@ -28,12 +28,15 @@ if ! "$VENV_PY" -c 'import torch' 2>/dev/null; then
     if [ -n "${CONVEYOR_TORCH_SPEC:-}" ]; then
         say "installing $CONVEYOR_TORCH_SPEC"
         pip_install "$CONVEYOR_TORCH_SPEC"
-    elif "$VENV_PY" -m pip download --disable-pip-version-check -q --no-index --no-deps \
-            -d "$(mktemp -d)" "torch==2.13.0" >/dev/null 2>&1; then
-        # The wheel is on this machine's local wheel folder; its dependencies come from PyPI.
+    elif torch_probe=$(mktemp -d) && "$VENV_PY" -m pip download --disable-pip-version-check -q --no-index \
+            --no-deps -d "$torch_probe" "torch==2.13.0" >/dev/null 2>&1; then
+        # The wheel is on this machine's local wheel folder; its dependencies come from PyPI. The probe's copy
+        # (190 MB) is not left in /tmp.
+        rm -rf "$torch_probe"
         say "installing torch 2.13.0 (CPU build) from the local wheel folder"
         pip_install "torch==2.13.0"
     else
+        rm -rf "${torch_probe:-}"
         say "installing the CPU build of torch from download.pytorch.org"
         pip_install torch --index-url https://download.pytorch.org/whl/cpu
     fi
