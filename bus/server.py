@@ -59,10 +59,36 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(probe.getsockname()[1])
 
 
+_TEMP_STORE_PREFIX = "conveyor-nats-"
+
+
+def sweep_orphaned_stores(temp_root: Path | None = None) -> list[Path]:
+    """Remove the temporary stores of processes that died without `stop()` (SIGKILL): their servers died with
+    them (`dies_with_parent`), the folders would stay, holding whatever JetStream had written. Returns them."""
+    removed = []
+    for store in Path(temp_root or tempfile.gettempdir()).glob(f"{_TEMP_STORE_PREFIX}*-*"):
+        owner = store.name[len(_TEMP_STORE_PREFIX):].split("-", 1)[0]
+        if owner.isdigit() and not _process_exists(int(owner)):
+            shutil.rmtree(store, ignore_errors=True)
+            removed.append(store)
+    return removed
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 class EmbeddedNatsServer:
     """A nats-server child process; `start()` returns once it accepts clients with JetStream on.
 
-    Without `store_dir` the JetStream store is a temporary folder removed by `stop()`.
+    Without `store_dir` the JetStream store is a temporary folder removed by `stop()`, or, when this process is
+    killed first, by the next one that starts a server so.
     """
 
     def __init__(
@@ -88,7 +114,8 @@ class EmbeddedNatsServer:
         self.scheme = scheme
         self._temp_dir: tempfile.TemporaryDirectory[str] | None = None
         if store_dir is None:
-            self._temp_dir = tempfile.TemporaryDirectory(prefix="conveyor-nats-")
+            sweep_orphaned_stores()
+            self._temp_dir = tempfile.TemporaryDirectory(prefix=f"{_TEMP_STORE_PREFIX}{os.getpid()}-")
             store_dir = Path(self._temp_dir.name)
         self.store_dir = store_dir
         self.log_file = store_dir / "nats-server.log"

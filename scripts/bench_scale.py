@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import sys
 import time
 import uuid
@@ -133,8 +134,12 @@ def run(args: argparse.Namespace) -> None:
                        f"{row['output_throughput']:.0f} tok/s, nats-server {row['nats_cpu_percent']:.0f}% CPU")
                 if replicas == max(args.replicas):
                     single.append(measure(args, servers, concurrency, clients=1))
+            except BaseException:
+                vs.say(f"the processes' logs are kept in {logs}")
+                raise
             finally:
                 servers.stop()
+            shutil.rmtree(logs, ignore_errors=True)  # a round that went well leaves nothing behind
     base = vs.median_row(rows[min(args.replicas)])["output_throughput"] / min(args.replicas)
     print(f"\nmock engine ({args.inter_token_ms:g} ms per token), {args.streams_per_replica} streams per replica, "
           f"prompts {int(args.input_len * args.range_ratio)}–{args.input_len}, outputs "

@@ -180,3 +180,28 @@ async def test_a_payload_limit_and_a_config_file_apply_together(tmp_path: Path) 
             assert nc._server_info["server_name"] == "named-by-file"
         finally:
             await nc.close()
+
+
+def test_a_killed_processs_temporary_store_is_removed_by_the_next_server_started(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from bus.server import sweep_orphaned_stores
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    orphan = tmp_path / f"conveyor-nats-{dead_pid}-x1y2z3"
+    (orphan / "jetstream").mkdir(parents=True)
+    live = tmp_path / f"conveyor-nats-{os.getpid()}-a1b2c3"
+    live.mkdir()
+    unknown = tmp_path / "conveyor-nats-oldstyle"
+    unknown.mkdir()
+    assert sweep_orphaned_stores(tmp_path) == [orphan]
+    assert not orphan.exists() and live.exists() and unknown.exists()
+
+
+def test_a_temporary_store_is_named_for_its_process_and_removed_on_stop() -> None:
+    with EmbeddedNatsServer() as server:
+        store = server.store_dir
+        assert store.name.startswith(f"conveyor-nats-{os.getpid()}-") and store.exists()
+    assert not store.exists()
