@@ -10,7 +10,8 @@ the stack's first canary prefill while requests run (`canary_seconds` says how i
 
     python scripts/steps_around_canaries.py docs/results/2026-11-26-h100-e/1-helpers-off-256
 
-A round is a stretch of the server's decode lines with no gap over --gap-s. Only steady windows count: those running
+`--against server2` compares the stack with a second SGLang server given the stack's engine settings, where a run
+had one. A round is a stretch of the server's decode lines with no gap over --gap-s. Only steady windows count: those running
 at least 90% of the most each engine ran in the round (a draining round's fewer requests step faster). The ratio is
 the stack's steps a second per running request over the server's in the same seconds.
 """
@@ -21,6 +22,7 @@ import argparse
 import re
 import statistics
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -85,42 +87,88 @@ def mean_between(rates: list[tuple[int, float]], start_s: float, end_s: float) -
     return statistics.mean(values) if values else None
 
 
-def ratio(stack: float | None, server: float | None) -> str:
-    return f"{stack / server:.2f}x" if stack is not None and server else "-"
+def ratio(stack: float | None, server: float | None) -> float | None:
+    return stack / server if stack is not None and server else None
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", type=Path, help="a gpu_goals.sh result folder (server-batches.log[.xz] and more)")
-    parser.add_argument("--stack", default="conveyor", help="which stack's batch log: conveyor (stack a) or b")
-    parser.add_argument("--gap-s", type=int, default=15, help="a pause longer than this ends a round")
-    parser.add_argument("--settle-s", type=int, default=5, help="seconds of each round's start left out")
-    args = parser.parse_args()
+def shown(value: float | None) -> str:
+    return f"{value:.2f}x" if value is not None else "-"
 
-    def log_of(name: str) -> list[str]:
-        for path in (args.run_dir / f"{name}-batches.log.xz", args.run_dir / f"{name}-batches.log"):
-            if path.exists():
-                return read_lines(path)
-        parser.error(f"no {name}-batches.log[.xz] in {args.run_dir}")
 
-    server_lines, stack_lines = log_of("server"), log_of(args.stack)
+@dataclass
+class Ratios:
+    """Each round's ratios, gathered over every run folder read."""
+
+    before: list[float] = field(default_factory=list)
+    after: list[float] = field(default_factory=list)
+    without_canary: list[float] = field(default_factory=list)
+
+    def summary(self) -> list[str]:
+        def median(name: str, values: list[float]) -> str:
+            if not values:
+                return f"{name}: -"
+            return (f"{name}: {statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f}), "
+                    f"{len(values)} rounds")
+        return [median("before the first canary", self.before), median("after it", self.after),
+                median("rounds with no canary", self.without_canary)]
+
+
+def split_rounds(server_lines: list[str], stack_lines: list[str], gap_s: int, settle_s: int,
+                 ratios: Ratios) -> list[str]:
+    """One printed row a round; each ratio is also added to `ratios`."""
     server_rates, stack_rates = rates_of(server_lines), rates_of(stack_lines)
     canaries = canary_seconds(stack_lines)
-    print(f"{'round':>8}  {'s':>3}  {'before its first canary':>24}  {'after it':>16}  canaries (s into the round)")
-    for first_s, last_s in rounds(server_rates, args.gap_s):
-        if last_s - first_s < 3 * args.settle_s:
+    rows = []
+    for first_s, last_s in rounds(server_rates, gap_s):
+        if last_s - first_s < 3 * settle_s:
             continue
         server, stack = steady(server_rates, first_s, last_s), steady(stack_rates, first_s, last_s)
         inside = [second - first_s for second in canaries if first_s <= second <= last_s]
         split_s = first_s + inside[0] if inside else last_s + 1
-        start_s = first_s + args.settle_s
+        start_s = first_s + settle_s
         before = ratio(mean_between(stack, start_s, split_s), mean_between(server, start_s, split_s))
         # The windows stamped just after the canary still hold steps from before it.
         after_s = split_s + 3
         after = ratio(mean_between(stack, after_s, last_s + 1), mean_between(server, after_s, last_s + 1)) \
-            if inside else "-"
+            if inside else None
+        for values, value in ((ratios.before, before), (ratios.after, after),
+                              (ratios.without_canary, before if not inside else None)):
+            if value is not None:
+                values.append(value)
         clock = f"{first_s // 3600:02d}:{first_s % 3600 // 60:02d}:{first_s % 60:02d}"
-        print(f"{clock:>8}  {last_s - first_s:>3}  {before:>24}  {after:>16}  {inside}")
+        rows.append(f"{clock:>8}  {last_s - first_s:>3}  {shown(before):>24}  {shown(after):>16}  {inside}")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dirs", type=Path, nargs="+",
+                        help="gpu_goals.sh result folders (server-batches.log[.xz] and more); with several, the "
+                             "medians over all their rounds follow")
+    parser.add_argument("--stack", default="conveyor", help="which stack's batch log: conveyor (stack a) or b")
+    parser.add_argument("--against", default="server", help="the engine it is compared with: server, or server2 "
+                        "(a second SGLang server started with the stack's engine settings: what SGLang alone does "
+                        "with them)")
+    parser.add_argument("--gap-s", type=int, default=15, help="a pause longer than this ends a round")
+    parser.add_argument("--settle-s", type=int, default=5, help="seconds of each round's start left out")
+    args = parser.parse_args()
+
+    def log_of(run_dir: Path, name: str) -> list[str]:
+        for path in (run_dir / f"{name}-batches.log.xz", run_dir / f"{name}-batches.log"):
+            if path.exists():
+                return read_lines(path)
+        parser.error(f"no {name}-batches.log[.xz] in {run_dir}")
+
+    ratios = Ratios()
+    print(f"{'round':>8}  {'s':>3}  {'before its first canary':>24}  {'after it':>16}  canaries (s into the round)")
+    for run_dir in args.run_dirs:
+        if len(args.run_dirs) > 1:
+            print(f"{run_dir}:")
+        rows = split_rounds(log_of(run_dir, args.against), log_of(run_dir, args.stack), args.gap_s, args.settle_s,
+                            ratios)
+        print("\n".join(rows))
+    if len(args.run_dirs) > 1:
+        print(f"{args.stack} over {args.against}, medians: " + "; ".join(ratios.summary()))
 
 
 if __name__ == "__main__":

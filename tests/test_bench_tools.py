@@ -250,3 +250,14 @@ def test_steps_around_canaries_split_each_round_at_the_stack_s_first_canary_unde
                           capture_output=True, text=True, check=True)
     rows = [line.split() for line in done.stdout.splitlines()[1:]]
     assert rows == [["08:00:00", "40", "1.00x", "0.80x", "[20]"]]
+
+    # A second run, with no canary under load and the stack stepping 0.9x: the medians over both runs' rounds.
+    second = tmp_path / "second"
+    second.mkdir()
+    (second / "server-batches.log").write_text("".join(decode(second_s, 10000) for second_s in seconds))
+    (second / "conveyor-batches.log").write_text("".join(decode(second_s, 9000) for second_s in seconds))
+    both = subprocess.run([sys.executable, str(SCRIPTS / "steps_around_canaries.py"), str(tmp_path), str(second)],
+                          capture_output=True, text=True, check=True)
+    assert both.stdout.splitlines()[-1] == (
+        "conveyor over server, medians: before the first canary: 0.95x (0.90-1.00), 2 rounds; "
+        "after it: 0.80x (0.80-0.80), 1 rounds; rounds with no canary: 0.90x (0.90-0.90), 1 rounds")
