@@ -147,7 +147,18 @@ case "${1:-}" in
                 [ -s "$out/$stack-batches.log" ] || continue
                 { echo "$stack:"; python3 scripts/steps_around_canaries.py "$out" --stack "$stack"; } \
                     >> "$out/canary-split.txt" 2>&1 || true
+                # Against SGLang's own server given the stack's engine settings, where one ran: what SGLang charges
+                # for the settings apart from what the stack adds.
+                if [ -s "$out/server2-batches.log" ]; then
+                    { echo "$stack against server2:"
+                      python3 scripts/steps_around_canaries.py "$out" --stack "$stack" --against server2; } \
+                        >> "$out/canary-split.txt" 2>&1 || true
+                fi
             done
+            if [ -s "$out/server2-batches.log" ]; then
+                { echo "server2:"; python3 scripts/steps_around_canaries.py "$out" --stack server2; } \
+                    >> "$out/canary-split.txt" 2>&1 || true
+            fi
             cat "$out/canary-split.txt" 2>/dev/null || true
         fi
         if [ -s "$dir/sched.log" ]; then  # each scheduler's wait for a CPU, over its loaded intervals
