@@ -121,6 +121,14 @@ class EmbeddedNatsServer:
         self.log_file = store_dir / "nats-server.log"
         self._process: subprocess.Popen[bytes] | None = None
 
+    def store_note(self) -> str | None:
+        """A line for the user when the disk's free space gave JetStream less than the floor (after `start()`)."""
+        if not self.file_store_raised:
+            return None
+        return (f"note: the disk of {self.store_dir} is nearly full; JetStream may reserve "
+                f"{self.file_store_floor_bytes / (1 << 30):g} GiB there all the same (the streams' caps), and fails "
+                "when the disk does")
+
     @property
     def url(self) -> str:
         return f"{self.scheme}://{self.host}:{self.port}"

@@ -154,6 +154,7 @@ async def test_a_server_we_start_on_a_nearly_full_disk_still_takes_the_streams(t
         store.mkdir()
         with EmbeddedNatsServer(store_dir=store, file_store_floor_bytes=floor_bytes) as server:
             assert server.file_store_raised is fits
+            assert (server.store_note() is not None) is fits
             nc = await connect(NatsSettings(urls=[server.url]), "roomy")
             try:
                 if fits:

@@ -162,10 +162,8 @@ def server(
         # before sigwait sees it and leave the server behind.
         signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
         typer.echo(f"nats-server ready at {url} (JetStream store {store_dir}); Ctrl-C stops it", err=True)
-        if embedded.file_store_raised:
-            typer.echo(f"note: the disk of {store_dir} is nearly full; JetStream may reserve "
-                       f"{embedded.file_store_floor_bytes >> 30} GiB there all the same (the streams' caps), "
-                       "and fails when the disk does", err=True)
+        if (note := embedded.store_note()) is not None:
+            typer.echo(note, err=True)
         signal.sigwait(stop_signals)
     finally:
         embedded.stop()

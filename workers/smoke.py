@@ -43,6 +43,8 @@ async def nats_url_or_embedded(nats: NatsSettings, embedded: bool) -> AsyncItera
     server = EmbeddedNatsServer(port=STANDARD_PORT if standard else None)
     progress("starting embedded nats-server with JetStream ...")
     url = server.start()  # in the main thread, so the server dies with this process (dies_with_parent)
+    if (note := server.store_note()) is not None:
+        progress(note)
     if standard:
         progress(f"nats-server ready at {url}; other terminals reach it with no flags")
     else:
