@@ -4,4 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The suite starts many nats-servers and model copies in the temp folder: say how much room it has, so a failure on
+# a nearly full disk explains itself.
+free_mib=$(df -Pm "${TMPDIR:-/tmp}" | awk 'NR == 2 {print $4}')
+echo "[test] ${free_mib} MiB free in ${TMPDIR:-/tmp}" >&2
+if [ "${free_mib:-0}" -lt 2048 ]; then
+    echo "[test] warning: under 2 GiB free; tests that convert the model or fill streams may fail for want of room" >&2
+fi
 exec .venv/bin/python -m pytest "$@"
