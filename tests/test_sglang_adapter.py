@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+from collections.abc import Callable
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -24,6 +26,7 @@ from workers.engines.sglang_engine import (
     cached_tokens_of,
     decode_event_frames,
     finish_of,
+    kv_events_endpoint,
     OwnText,
     logprobs_of,
     needs_sglang_tokenizer,
@@ -85,14 +88,16 @@ def test_logprobs_of_the_newest_tokens() -> None:
 
 
 def test_engine_arguments_turn_on_deltas_kv_events_and_disaggregation() -> None:
-    args = server_args(SGLangEngineConfig(model_path="/m", role=DisaggregationRole.PREFILL, page_size=16), 5557, 8998)
+    args = server_args(SGLangEngineConfig(model_path="/m", role=DisaggregationRole.PREFILL, page_size=16),
+                       "ipc:///run/x/kv-events", 8998)
     assert args["incremental_streaming_output"] is True
-    assert json.loads(args["kv_events_config"]) == {"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}
+    assert json.loads(args["kv_events_config"]) == {"publisher": "zmq", "endpoint": "ipc:///run/x/kv-events",
+                                                    "topic": "kv-events"}
     assert args["disaggregation_mode"] == "prefill" and args["disaggregation_bootstrap_port"] == 8998
     assert args["disaggregation_transfer_backend"] == "nixl" and args["attention_backend"] == "triton"
     # The bootstrap server binds where the adapter advertises it (found on the H100).
     assert args["host"] == "127.0.0.1"
-    assert "disaggregation_mode" not in server_args(SGLangEngineConfig(model_path="/m"), 1, 2)
+    assert "disaggregation_mode" not in server_args(SGLangEngineConfig(model_path="/m"), "ipc:///k", 2)
 
 
 def test_bootstrap_arguments_by_role() -> None:
@@ -151,31 +156,49 @@ def test_sglangs_per_page_events_of_one_chain_merge_into_one() -> None:
 
 def test_sglang_pages_default_to_sixteen_tokens() -> None:
     # Page size 1 makes SGLang record an event per token (the relay took half the decode worker's loop on the H100).
-    assert server_args(SGLangEngineConfig(model_path="/m"), 1, 2)["page_size"] == 16
+    assert server_args(SGLangEngineConfig(model_path="/m"), "ipc:///k", 2)["page_size"] == 16
 
 
 def test_sglang_own_metrics_are_off_unless_asked_for() -> None:
     # They cost the inter-token gap at one stream and nothing reads them (the worker's /metrics has its own series).
-    assert server_args(SGLangEngineConfig(model_path="/m"), 1, 2)["enable_metrics"] is False
-    assert server_args(SGLangEngineConfig(model_path="/m", enable_metrics=True), 1, 2)["enable_metrics"] is True
+    assert server_args(SGLangEngineConfig(model_path="/m"), "ipc:///k", 2)["enable_metrics"] is False
+    assert server_args(SGLangEngineConfig(model_path="/m", enable_metrics=True), "ipc:///k", 2)["enable_metrics"] is True
 
 
 def test_sglang_records_no_kv_events_when_they_are_off() -> None:
     # `--no-kv-events`: SGLang is not asked to record them at all (nothing would read them).
-    assert "kv_events_config" not in server_args(SGLangEngineConfig(model_path="/m", kv_events=False), 1, 2)
-    assert "kv_events_config" in server_args(SGLangEngineConfig(model_path="/m"), 1, 2)
+    assert "kv_events_config" not in server_args(SGLangEngineConfig(model_path="/m", kv_events=False), "ipc:///k", 2)
+    assert "kv_events_config" in server_args(SGLangEngineConfig(model_path="/m"), "ipc:///k", 2)
 
 
-async def test_relay_receives_zmq_batches_and_counts_gaps() -> None:
+def test_kv_events_stay_on_a_private_socket_unless_a_port_is_asked_for(tmp_path: Path) -> None:
+    private = kv_events_endpoint(SGLangEngineConfig(model_path="/m"), tmp_path)
+    assert private.publish == private.connect == f"ipc://{tmp_path}/kv-events"
+    # A port: published on every interface for subscribers of one's own; the relay hears it on loopback.
+    shared = kv_events_endpoint(SGLangEngineConfig(model_path="/m", kv_events_port=5557), tmp_path)
+    assert (shared.publish, shared.connect) == ("tcp://*:5557", "tcp://127.0.0.1:5557")
+    # Data-parallel ranks each publish on the port plus their rank; SGLang refuses ipc for them.
+    ranks = kv_events_endpoint(SGLangEngineConfig(model_path="/m", extra_server_args={"dp_size": 2}), tmp_path)
+    assert ranks.publish.startswith("tcp://*:") and ranks.connect.startswith("tcp://127.0.0.1:")
+
+
+def _free_tcp_endpoint(_: Path) -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("endpoint_in", [_free_tcp_endpoint, lambda folder: f"ipc://{folder}/kv-events"],
+                         ids=["tcp", "ipc"])
+async def test_relay_receives_zmq_batches_and_counts_gaps(tmp_path: Path,
+                                                          endpoint_in: Callable[[Path], str]) -> None:
     import zmq
     import zmq.asyncio
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    endpoint = endpoint_in(tmp_path)
     publisher = zmq.asyncio.Context.instance().socket(zmq.PUB)
-    publisher.bind(f"tcp://127.0.0.1:{port}")
-    relay = KvEventRelay(f"tcp://127.0.0.1:{port}")
+    publisher.bind(endpoint)
+    relay = KvEventRelay(endpoint)
     await relay.start()
     received = []
 
@@ -223,13 +246,13 @@ def test_lora_and_expert_settings_reach_sglang_and_bad_ones_are_refused_by_name(
     monkeypatch.setenv("CONVEYOR_SGLANG_LORA_TARGET_MODULES", '["q_proj", "v_proj"]')
     monkeypatch.setenv("CONVEYOR_SGLANG_ENABLE_EPLB", "true")
     monkeypatch.setenv("CONVEYOR_SGLANG_EXPERT_DISTRIBUTION_RECORDER_MODE", "per_pass")
-    args = server_args(SGLangEngineConfig(model_path="/models/moe"), kv_events_port=1, bootstrap_port=2)
+    args = server_args(SGLangEngineConfig(model_path="/models/moe"), kv_events_publish="ipc:///k", bootstrap_port=2)
     assert {key: args[key] for key in ("enable_lora", "lora_target_modules", "max_lora_rank", "enable_eplb",
                                        "expert_distribution_recorder_mode")} == {
         "enable_lora": True, "lora_target_modules": ["q_proj", "v_proj"], "max_lora_rank": 64, "enable_eplb": True,
         "expert_distribution_recorder_mode": "per_pass"}
     plain = server_args(SGLangEngineConfig(model_path="/models/x", enable_lora=False, enable_eplb=False,
-                                           expert_distribution_recorder_mode=None), 1, 2)
+                                           expert_distribution_recorder_mode=None), "ipc:///k", 2)
     assert not {"enable_lora", "enable_eplb", "expert_distribution_recorder_mode"} & plain.keys()
     monkeypatch.setenv("CONVEYOR_SGLANG_EXPERT_DISTRIBUTION_RECORDER_MODE", "sometimes")
     with pytest.raises(ValidationError, match="expert_distribution_recorder_mode"):
@@ -278,7 +301,7 @@ def test_the_relay_publishes_sglangs_blocks_under_the_keys_a_router_computes() -
 def test_an_engine_without_sglangs_tokenizer_leaves_stop_strings_to_the_worker() -> None:
     config = SGLangEngineConfig(model_path="/m", skip_tokenizer_init=True)
     assert server_args(config, 1, 2)["skip_tokenizer_init"] is True
-    assert "skip_tokenizer_init" not in server_args(SGLangEngineConfig(model_path="/m"), 1, 2)
+    assert "skip_tokenizer_init" not in server_args(SGLangEngineConfig(model_path="/m"), "ipc:///k", 2)
     request = GenerateRequest("r", [1, 2], stop=StopConditions(stop=["END"], stop_token_ids=[7]))
     params = sampling_params(request, stop_strings=False)
     assert "stop" not in params and params["stop_token_ids"] == [7]

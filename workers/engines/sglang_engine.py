@@ -31,10 +31,12 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import shutil
 import socket
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from itertools import takewhile
 from pathlib import Path
 from typing import Any, Literal
@@ -115,8 +117,10 @@ class SGLangEngineConfig(BaseSettings):
     # routable address (or 0.0.0.0) when prefill and decode run on different machines.
     bootstrap_host: str = "127.0.0.1"
     transfer_backend: str = "nixl"
-    # KV events: SGLang records its cache's changes and publishes them on a ZMQ endpoint (0 picks a free local port)
-    # for the relay. Off (`conveyor worker --no-kv-events`): none are recorded, for a worker no KV router reads.
+    # KV events: SGLang records its cache's changes and publishes them over ZMQ for the relay. Off (`conveyor worker
+    # --no-kv-events`): none are recorded, for a worker no KV router reads. The port: 0 publishes on a Unix socket
+    # only this user can open (the events carry every prompt's token ids); a port publishes on it, on every
+    # interface, for subscribers of one's own beside the relay (`kv_events_endpoint`).
     kv_events: bool = True
     kv_events_port: int = 0
     enable_memory_saver: bool = False
@@ -184,8 +188,33 @@ def image_item(request: GenerateRequest) -> dict[str, Any]:
     }
 
 
-def server_args(config: SGLangEngineConfig, kv_events_port: int, bootstrap_port: int) -> dict[str, Any]:
-    """Keyword arguments for `sglang.Engine(...)`."""
+@dataclass(frozen=True, slots=True)
+class KvEventsEndpoint:
+    """Where SGLang publishes its KV events, and where the relay connects to hear them."""
+
+    publish: str
+    connect: str
+
+
+def kv_events_endpoint(config: SGLangEngineConfig, private_dir: Path) -> KvEventsEndpoint:
+    """SGLang's publisher binds only a wildcard TCP address or an ipc one (and connects to any other, which no relay
+    would hear: found on the H100). A Unix socket in `private_dir` (the caller's, mode 0700) keeps the events, and
+    the token ids of every prompt in them, off the network."""
+    port = config.kv_events_port
+    if not port and _data_parallel_size(config) > 1:
+        port = _free_port()  # SGLang gives each data-parallel rank the port plus its rank, and refuses ipc there
+    if port:
+        return KvEventsEndpoint(publish=f"tcp://*:{port}", connect=f"tcp://127.0.0.1:{port}")
+    socket_path = f"ipc://{private_dir / 'kv-events'}"
+    return KvEventsEndpoint(publish=socket_path, connect=socket_path)
+
+
+def _data_parallel_size(config: SGLangEngineConfig) -> int:
+    return int(config.extra_server_args.get("dp_size") or 1)
+
+
+def server_args(config: SGLangEngineConfig, kv_events_publish: str, bootstrap_port: int) -> dict[str, Any]:
+    """Keyword arguments for `sglang.Engine(...)`; `kv_events_publish` is `KvEventsEndpoint.publish`."""
     args: dict[str, Any] = {
         "model_path": config.model_path,
         "load_format": config.load_format,
@@ -200,10 +229,8 @@ def server_args(config: SGLangEngineConfig, kv_events_port: int, bootstrap_port:
     if config.skip_tokenizer_init:
         args["skip_tokenizer_init"] = True
     if config.kv_events:
-        # SGLang's publisher binds only to wildcard endpoints and *connects* to any other; our relay
-        # connects, so SGLang must bind: "*" (found on the H100: with 127.0.0.1 no event arrived).
         args["kv_events_config"] = json.dumps(
-            {"publisher": "zmq", "endpoint": f"tcp://*:{kv_events_port}", "topic": "kv-events"})
+            {"publisher": "zmq", "endpoint": kv_events_publish, "topic": "kv-events"})
     optional = {
         "page_size": config.page_size,
         "mem_fraction_static": config.mem_fraction_static,
@@ -597,6 +624,8 @@ class SGLangEngine:
         self._load = EngineLoad(0, 0, 1, 0, 0)
         self._load_task: asyncio.Task[None] | None = None
         self._cpu_claims: list[CpuClaim] = []
+        # Sockets only this user opens (the KV events'), removed at shutdown.
+        self._private_dir: Path | None = None
         self._loras: dict[str, str] = {}
         self._lora_lock = asyncio.Lock()
         # Open sessions -> the request id of their last finished turn (the node the next turn continues from).
@@ -611,9 +640,10 @@ class SGLangEngine:
     async def start(self) -> None:
         import sglang
 
-        kv_port = self.config.kv_events_port or _free_port()
+        self._private_dir = Path(tempfile.mkdtemp(prefix="conveyor-sglang-"))
+        kv_events = kv_events_endpoint(self.config, self._private_dir)
         bootstrap_port = self.config.bootstrap_port or _free_port()
-        args = server_args(self.config, kv_port, bootstrap_port)
+        args = server_args(self.config, kv_events.publish, bootstrap_port)
         log.info("sglang.starting", model=self.config.model_path, role=self.config.role.value)
         self._engine = sglang.Engine(**args)
         if self.config.skip_tokenizer_init:
@@ -632,7 +662,7 @@ class SGLangEngine:
             advertised = advertised_host(self.config.bootstrap_host)
             self._bootstrap = BootstrapEndpoint(host=advertised, port=bootstrap_port)
         if self.config.kv_events:
-            self._relay = KvEventRelay(f"tcp://127.0.0.1:{kv_port}")
+            self._relay = KvEventRelay(kv_events.connect)
             await self._relay.start()
         self._cpu_claims = pin_schedulers(self.config.scheduler_cpus, self.config.scheduler_cpus_lock_dir)
         self._load_task = asyncio.create_task(self._refresh_load())
@@ -658,6 +688,9 @@ class SGLangEngine:
         for claim in self._cpu_claims:
             claim.release()
         self._cpu_claims = []
+        if self._private_dir is not None:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
+            self._private_dir = None
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         own_text = None
