@@ -11,9 +11,9 @@ the stack's first canary prefill while requests run (`canary_seconds` says how i
     python scripts/steps_around_canaries.py docs/results/2026-11-26-h100-e/1-helpers-off-256
 
 `--against server2` compares the stack with a second SGLang server given the stack's engine settings, where a run
-had one. A round is a stretch of the server's decode lines with no gap over --gap-s. Only steady windows count: those running
-at least 90% of the most each engine ran in the round (a draining round's fewer requests step faster). The ratio is
-the stack's steps a second per running request over the server's in the same seconds.
+had one. A round is a stretch of the server's decode lines with no gap over --gap-s. Only steady windows count:
+those running at least 90% of the most each engine ran in the round (a draining round's fewer requests step faster).
+The ratio is the stack's steps a second per running request over the server's in the same seconds.
 """
 
 from __future__ import annotations

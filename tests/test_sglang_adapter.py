@@ -162,7 +162,8 @@ def test_sglang_pages_default_to_sixteen_tokens() -> None:
 def test_sglang_own_metrics_are_off_unless_asked_for() -> None:
     # They cost the inter-token gap at one stream and nothing reads them (the worker's /metrics has its own series).
     assert server_args(SGLangEngineConfig(model_path="/m"), "ipc:///k", 2)["enable_metrics"] is False
-    assert server_args(SGLangEngineConfig(model_path="/m", enable_metrics=True), "ipc:///k", 2)["enable_metrics"] is True
+    with_metrics = SGLangEngineConfig(model_path="/m", enable_metrics=True)
+    assert server_args(with_metrics, "ipc:///k", 2)["enable_metrics"] is True
 
 
 def test_sglang_records_no_kv_events_when_they_are_off() -> None:
