@@ -134,6 +134,15 @@ case "${1:-}" in
             this_run /tmp/sglang-server2.log > "$out/server2-batches.log" || true
             [ -s "$out/server2-batches.log" ] && engines+=(server2="$out/server2-batches.log")
         fi
+        # The decode workers' own counts: KV-event batches relayed (SGLang's events reach the stream) and canaries
+        # by outcome (under steady load there should be none but the first).
+        rm -f "$out/decode-counters.txt"
+        for stack_port in a=9102 b=9112; do
+            curl -sf "http://127.0.0.1:${stack_port#*=}/metrics" 2>/dev/null \
+                | grep -E '^conveyor_(kv_event_batches|canaries)_total' | sed "s/^/${stack_port%=*}: /" \
+                >> "$out/decode-counters.txt" || true
+        done
+        cat "$out/decode-counters.txt" 2>/dev/null || true
         if [ -s "$out/server-batches.log" ] && [ -s "$out/conveyor-batches.log" ]; then
             # How fast each engine itself stepped, apart from what the pipeline does with its tokens.
             by_time=(); if [ -f "$dir/together" ]; then by_time=(--by-time 20); fi
