@@ -219,7 +219,7 @@ async def test_relay_receives_zmq_batches_and_counts_gaps(tmp_path: Path,
                     break
         collector.cancel()
         assert [b.events[0].block_hashes for b in received] == [chain_hashes([seq] * 16, 16) for seq in (0, 1, 3)]
-        assert relay.gaps == 1 and relay.last_seq == 3
+        assert relay.gaps == 1 and relay.last_seq == 3 and relay.batches_heard >= 3
     finally:
         await relay.stop()
         publisher.close(linger=0)
@@ -360,3 +360,24 @@ def test_the_worker_decodes_as_the_models_own_tokenizer_does() -> None:
     for skip in (True, False):
         ours = decoder.decode(token_ids, skip_special_tokens=skip)
         assert ours == reference.decode(token_ids, skip_special_tokens=skip)
+
+
+def test_a_relay_that_hears_no_kv_event_after_enough_requests_is_reported_once() -> None:
+    from structlog.testing import capture_logs
+
+    from workers.engines.sglang_engine import SilentEventsWatch
+
+    def warnings_after(lengths: list[int], heard: int) -> list[dict[str, object]]:
+        relay = KvEventRelay("ipc:///nowhere")
+        relay.batches_heard = heard
+        watch = SilentEventsWatch(relay, page_tokens=16, after_requests=8)
+        with capture_logs() as logs:
+            for num_tokens in lengths:
+                watch.finished(num_tokens)
+        return [entry for entry in logs if entry["event"] == "sglang.kv_events_silent"]
+
+    silent = warnings_after([64] * 20, heard=0)
+    assert len(silent) == 1 and silent[0]["requests"] == 8 and silent[0]["endpoint"] == "ipc:///nowhere"
+    assert warnings_after([64] * 7, heard=0) == []  # too few yet
+    assert warnings_after([20] * 20, heard=0) == []  # too short to fill two pages: SGLang may store none
+    assert warnings_after([64] * 20, heard=1) == []  # the events arrive

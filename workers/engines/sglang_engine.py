@@ -14,7 +14,9 @@ it maps, read from the 0.5.17 wheel:
   KVEventBatch]`, where the batch is msgspec `array_like` — `[ts, [events], attn_dp_rank]` — and
   each event a tagged array `["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium]`;
   `KvEventRelay` subscribes and turns them into ours, with our chained block keys in place of SGLang's own hashes
-  (a router hashes prompts our way; SGLang's hashes only identify its removals);
+  (a router hashes prompts our way; SGLang's hashes only identify its removals). SGLang publishes on a Unix socket
+  of the worker's (`kv_events_endpoint`); a relay that hears nothing while requests finish is logged
+  (`SilentEventsWatch`);
 - control: the tokenizer manager's async `flush_cache`, `start_profile` / `stop_profile`,
   `update_weights_from_disk`, `release_memory_occupation` / `resume_memory_occupation` (the Engine's
   own wrappers call `run_until_complete`, unusable inside a running loop);
@@ -562,6 +564,7 @@ class KvEventRelay:
         self._task: asyncio.Task[None] | None = None
         self.last_seq: int | None = None
         self.gaps = 0
+        self.batches_heard = 0
 
     async def start(self) -> None:
         import zmq
@@ -591,6 +594,7 @@ class KvEventRelay:
                 log.warning("sglang.kv_event_malformed", frames=len(frames))
                 continue
             seq, batch = decoded
+            self.batches_heard += 1
             if self.last_seq is not None and seq > self.last_seq + 1:
                 self.gaps += 1
                 log.warning("sglang.kv_event_gap", missed=seq - self.last_seq - 1)
@@ -604,6 +608,31 @@ class KvEventRelay:
         return KvEventBatchOut(events=events, ts=batch.ts, data_parallel_rank=batch.data_parallel_rank)
 
 
+class SilentEventsWatch:
+    """Says once when requests long enough to fill pages of SGLang's cache have finished and the relay has heard no
+    KV event: SGLang's publisher and the relay missed each other (on the H100 a loopback endpoint once made both ends
+    connect, and nothing said so). A KV router then weighs this worker by its load alone."""
+
+    def __init__(self, relay: KvEventRelay, page_tokens: int, after_requests: int = 8) -> None:
+        self._relay = relay
+        self._page_tokens = page_tokens
+        self._after_requests = after_requests
+        self._requests = 0
+        self.reported = False
+
+    def finished(self, num_tokens: int) -> None:
+        """A request SGLang finished, prompt and output `num_tokens` long."""
+        # Two pages: the cache stores whole pages, so a shorter one may leave no event.
+        if self.reported or num_tokens < 2 * self._page_tokens:
+            return
+        self._requests += 1
+        if self._requests >= self._after_requests and self._relay.batches_heard == 0:
+            self.reported = True
+            log.warning("sglang.kv_events_silent", endpoint=self._relay.endpoint, requests=self._requests,
+                        detail="no KV event from SGLang after these requests; a KV router sees this worker's load "
+                               "only (CONVEYOR_SGLANG_KV_EVENTS_PORT sets where SGLang publishes)")
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
@@ -615,6 +644,7 @@ class SGLangEngine:
         self.config = config
         self._engine: Any = None
         self._relay: KvEventRelay | None = None
+        self._events_watch: SilentEventsWatch | None = None
         # The worker's own tokenizer, when SGLang runs without one (skip_tokenizer_init).
         self._decoder: Decoder | None = None
         self._bootstrap: BootstrapEndpoint | None = None
@@ -664,6 +694,8 @@ class SGLangEngine:
         if self.config.kv_events:
             self._relay = KvEventRelay(kv_events.connect)
             await self._relay.start()
+            if not self.config.extra_server_args.get("disable_radix_cache"):  # no cache, no events
+                self._events_watch = SilentEventsWatch(self._relay, self.config.page_size or 1)
         self._cpu_claims = pin_schedulers(self.config.scheduler_cpus, self.config.scheduler_cpus_lock_dir)
         self._load_task = asyncio.create_task(self._refresh_load())
 
@@ -761,6 +793,8 @@ class SGLangEngine:
                     error=error,
                 )
                 if finished:
+                    if engine_done and self._events_watch is not None:
+                        self._events_watch.finished(len(request.token_ids) + num_output_tokens)
                     return
         finally:
             if admission is not None:
