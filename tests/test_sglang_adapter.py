@@ -381,3 +381,26 @@ def test_a_relay_that_hears_no_kv_event_after_enough_requests_is_reported_once()
     assert warnings_after([64] * 7, heard=0) == []  # too few yet
     assert warnings_after([20] * 20, heard=0) == []  # too short to fill two pages: SGLang may store none
     assert warnings_after([64] * 20, heard=1) == []  # the events arrive
+
+
+def test_the_private_socket_folder_is_the_users_alone_and_short_enough_for_a_socket(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+
+    from workers.engines.sglang_engine import private_socket_dir
+
+    short = Path(tempfile.mkdtemp(prefix="s-", dir="/tmp"))
+    deep = tmp_path / ("d" * 90)
+    deep.mkdir()
+    try:
+        for temp_root, expected_parent in ((short, short), (deep, Path("/tmp"))):
+            monkeypatch.setattr(tempfile, "tempdir", str(temp_root))
+            folder = private_socket_dir()
+            try:
+                assert folder.stat().st_mode & 0o777 == 0o700
+                assert len(str(folder / "kv-events").encode()) < 104
+                assert folder.parent == expected_parent
+            finally:
+                folder.rmdir()
+    finally:
+        short.rmdir()

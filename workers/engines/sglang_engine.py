@@ -211,6 +211,20 @@ def kv_events_endpoint(config: SGLangEngineConfig, private_dir: Path) -> KvEvent
     return KvEventsEndpoint(publish=socket_path, connect=socket_path)
 
 
+# A Unix socket's path is at most 107 bytes on Linux (103 on macOS); the folder leaves room for the socket's name.
+_SOCKET_DIR_MAX_BYTES = 96
+
+
+def private_socket_dir() -> Path:
+    """A new folder only this user can open (mode 0700), for sockets: in the temp folder, or in /tmp when the temp
+    folder's path is too long for a socket's."""
+    folder = Path(tempfile.mkdtemp(prefix="conveyor-sglang-"))
+    if len(str(folder).encode()) <= _SOCKET_DIR_MAX_BYTES:
+        return folder
+    folder.rmdir()
+    return Path(tempfile.mkdtemp(prefix="conveyor-sglang-", dir="/tmp"))
+
+
 def _data_parallel_size(config: SGLangEngineConfig) -> int:
     return int(config.extra_server_args.get("dp_size") or 1)
 
@@ -670,7 +684,7 @@ class SGLangEngine:
     async def start(self) -> None:
         import sglang
 
-        self._private_dir = Path(tempfile.mkdtemp(prefix="conveyor-sglang-"))
+        self._private_dir = private_socket_dir()
         kv_events = kv_events_endpoint(self.config, self._private_dir)
         bootstrap_port = self.config.bootstrap_port or _free_port()
         args = server_args(self.config, kv_events.publish, bootstrap_port)
