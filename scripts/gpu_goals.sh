@@ -152,22 +152,20 @@ case "${1:-}" in
             # Each round split at the stack's first canary under load (since the twenty-ninth stop there should be
             # none: a canary in SGLang's running batch slowed every later step of it).
             rm -f "$out/canary-split.txt"
+            split_rounds() {  # split_rounds TITLE ARG...: one table of steps_around_canaries.py, titled
+                { echo "$1:"; python3 scripts/steps_around_canaries.py "$out" "${@:2}"; } \
+                    >> "$out/canary-split.txt" 2>&1 || true
+            }
             for stack in conveyor b; do
                 [ -s "$out/$stack-batches.log" ] || continue
-                { echo "$stack:"; python3 scripts/steps_around_canaries.py "$out" --stack "$stack"; } \
-                    >> "$out/canary-split.txt" 2>&1 || true
+                split_rounds "$stack" --stack "$stack"
                 # Against SGLang's own server given the stack's engine settings, where one ran: what SGLang charges
                 # for the settings apart from what the stack adds.
                 if [ -s "$out/server2-batches.log" ]; then
-                    { echo "$stack against server2:"
-                      python3 scripts/steps_around_canaries.py "$out" --stack "$stack" --against server2; } \
-                        >> "$out/canary-split.txt" 2>&1 || true
+                    split_rounds "$stack against server2" --stack "$stack" --against server2
                 fi
             done
-            if [ -s "$out/server2-batches.log" ]; then
-                { echo "server2:"; python3 scripts/steps_around_canaries.py "$out" --stack server2; } \
-                    >> "$out/canary-split.txt" 2>&1 || true
-            fi
+            if [ -s "$out/server2-batches.log" ]; then split_rounds server2 --stack server2; fi
             cat "$out/canary-split.txt" 2>/dev/null || true
         fi
         if [ -s "$dir/sched.log" ]; then  # each scheduler's wait for a CPU, over its loaded intervals

@@ -230,7 +230,8 @@ def _data_parallel_size(config: SGLangEngineConfig) -> int:
 
 
 def server_args(config: SGLangEngineConfig, kv_events_publish: str, bootstrap_port: int) -> dict[str, Any]:
-    """Keyword arguments for `sglang.Engine(...)`; `kv_events_publish` is `KvEventsEndpoint.publish`."""
+    """Keyword arguments for `sglang.Engine(...)`; `kv_events_publish` is `KvEventsEndpoint.publish` (unused with the
+    events off)."""
     args: dict[str, Any] = {
         "model_path": config.model_path,
         "load_format": config.load_format,
@@ -684,10 +685,12 @@ class SGLangEngine:
     async def start(self) -> None:
         import sglang
 
-        self._private_dir = private_socket_dir()
-        kv_events = kv_events_endpoint(self.config, self._private_dir)
+        kv_events: KvEventsEndpoint | None = None
+        if self.config.kv_events:
+            self._private_dir = private_socket_dir()
+            kv_events = kv_events_endpoint(self.config, self._private_dir)
         bootstrap_port = self.config.bootstrap_port or _free_port()
-        args = server_args(self.config, kv_events.publish, bootstrap_port)
+        args = server_args(self.config, kv_events.publish if kv_events else "", bootstrap_port)
         log.info("sglang.starting", model=self.config.model_path, role=self.config.role.value)
         self._engine = sglang.Engine(**args)
         if self.config.skip_tokenizer_init:
@@ -705,7 +708,7 @@ class SGLangEngine:
         if self.config.role == DisaggregationRole.PREFILL:
             advertised = advertised_host(self.config.bootstrap_host)
             self._bootstrap = BootstrapEndpoint(host=advertised, port=bootstrap_port)
-        if self.config.kv_events:
+        if kv_events is not None:
             self._relay = KvEventRelay(kv_events.connect)
             await self._relay.start()
             if not self.config.extra_server_args.get("disable_radix_cache"):  # no cache, no events
