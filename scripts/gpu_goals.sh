@@ -149,6 +149,11 @@ case "${1:-}" in
             python3 scripts/sglang_steps.py "${engines[@]}" --min-running 32 "${by_time[@]}" \
                 > "$out/engine-steps.txt" 2>&1 || true
             cat "$out/engine-steps.txt"
+            # One stream's steps apart: a step is short there, and any CPU work in a scheduler's loop shows
+            # (docs/performance.md, thirty-first stop). Left out where an engine never ran one request alone.
+            python3 scripts/sglang_steps.py "${engines[@]}" --min-running 1 --max-running 1 "${by_time[@]}" \
+                > "$out/engine-steps-one.txt" 2>&1 || rm -f "$out/engine-steps-one.txt"
+            cat "$out/engine-steps-one.txt" 2>/dev/null || true
             # Each round split at the stack's first canary under load (since the twenty-ninth stop there should be
             # none: a canary in SGLang's running batch slowed every later step of it).
             rm -f "$out/canary-split.txt"

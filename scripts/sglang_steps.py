@@ -9,8 +9,10 @@ in a stack's CONVEYOR_SGLANG_EXTRA_SERVER_ARGS).
 
     python scripts/sglang_steps.py server=server-batches.log conveyor=conveyor-batches.log --min-running 32
 
-Lines with fewer than --min-running requests (warm-up, a round's tail, idle gaps) are left out. Files may be
-xz-compressed (.xz). The ratios are each engine's over the first one named.
+Lines with fewer than --min-running requests (warm-up, a round's tail, idle gaps) are left out, and with
+--max-running those with more: `--min-running 1 --max-running 1` reads one stream's steps, where a step is short and
+any CPU work in the scheduler's loop shows (docs/performance.md, thirty-first stop). Files may be xz-compressed (.xz).
+The ratios are each engine's over the first one named.
 """
 
 from __future__ import annotations
@@ -77,10 +79,11 @@ def read_lines(path: Path) -> list[str]:
         return list(lines)
 
 
-def engine_steps(name: str, lines: list[str], min_running: int) -> EngineSteps:
-    loaded = [window for window in decode_windows(lines) if window.running >= min_running]
+def engine_steps(name: str, lines: list[str], min_running: int, max_running: int | None = None) -> EngineSteps:
+    loaded = [window for window in decode_windows(lines) if counted(window, min_running, max_running)]
     if not loaded:
-        raise SystemExit(f"{name}: no decode line with {min_running}+ running requests (does it log at info?)")
+        most = "+" if max_running is None else f" to {max_running}"
+        raise SystemExit(f"{name}: no decode line with {min_running}{most} running requests (does it log at info?)")
     prefills = [(int(m[1]), int(m[2]), int(m[3])) for line in lines if (m := _PREFILL.search(line))]
     usage = [window.token_usage for window in loaded if window.token_usage is not None]
     return EngineSteps(
@@ -97,13 +100,18 @@ def engine_steps(name: str, lines: list[str], min_running: int) -> EngineSteps:
     )
 
 
-def steps_by_time(lines: list[str], min_running: int, bucket_s: int) -> dict[int, float]:
+def counted(window: Window, min_running: int, max_running: int | None) -> bool:
+    return window.running >= min_running and (max_running is None or window.running <= max_running)
+
+
+def steps_by_time(lines: list[str], min_running: int, bucket_s: int,
+                  max_running: int | None = None) -> dict[int, float]:
     """Median steps/s per running request in each bucket_s of the clock (key: the bucket's start, seconds since
     midnight), from loaded windows only: engines measured at the same time (bench_aiperf.py --together) compare
     bucket by bucket, and engines measured in turn show how far one engine's rate moved between rounds."""
     buckets: dict[int, list[float]] = {}
     for window in decode_windows(lines):
-        if window.second is not None and window.running >= min_running:
+        if window.second is not None and counted(window, min_running, max_running):
             start = window.second - window.second % bucket_s
             buckets.setdefault(start, []).append(window.tokens_per_s / window.running)
     return {start: statistics.median(rates) for start, rates in sorted(buckets.items())}
@@ -135,12 +143,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("logs", nargs="+", type=named_path, help="NAME=PATH of an engine's batch lines")
     parser.add_argument("--min-running", type=int, default=32, help="fewest running requests a window counts with")
+    parser.add_argument("--max-running", type=int, default=None,
+                        help="most running requests a window counts with (default: no limit)")
     parser.add_argument("--by-time", type=int, metavar="SECONDS", default=0,
                         help="also each engine's rate in buckets of this many seconds of the clock, side by side")
     args = parser.parse_args()
 
     logs = {name: read_lines(path) for name, path in args.logs}
-    engines = [engine_steps(name, lines, args.min_running) for name, lines in logs.items()]
+    engines = [engine_steps(name, lines, args.min_running, args.max_running) for name, lines in logs.items()]
     base = engines[0]
     print(f"{'engine':<12} {'windows':>7} {'running':>8} {'tok/s':>14} {'steps/s per request':>22} "
           f"{'prefills':>9} {'seqs/prefill':>12} {'new tok/prefill':>15} {'cached tok/prefill':>18} {'pool used':>9}")
@@ -153,7 +163,7 @@ def main() -> None:
               f"{engine.new_tokens_per_prefill:>15.0f} {engine.cached_tokens_per_prefill:>18.0f} "
               f"{engine.mean_token_usage:>9.2f}")
     if args.by_time:
-        rates = [steps_by_time(lines, args.min_running, args.by_time) for lines in logs.values()]
+        rates = [steps_by_time(lines, args.min_running, args.by_time, args.max_running) for lines in logs.values()]
         print_by_time(list(logs), rates, args.by_time)
 
 

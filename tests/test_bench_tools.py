@@ -78,6 +78,20 @@ def test_sglang_step_rates_are_read_from_loaded_windows_only(tmp_path: Path) -> 
     assert engine.mean_token_usage == 0.13  # the loaded windows' fill, not the warm-up's
 
 
+def test_sglang_step_rates_of_one_stream_leave_out_windows_with_more_running(tmp_path: Path) -> None:
+    log = tmp_path / "batches.log"
+    log.write_text(
+        "[t] Decode batch, #running-req: 1, #token: 900, token usage: 0.00, gen throughput (token/s): 540.00\n"
+        "[t] Decode batch, #running-req: 1, #token: 940, token usage: 0.00, gen throughput (token/s): 520.00\n"
+        "[t] Decode batch, #running-req: 2, #token: 1800, token usage: 0.00, gen throughput (token/s): 900.00\n"
+    )
+    steps = _script("sglang_steps")
+    engine = steps.engine_steps("server", steps.read_lines(log), min_running=1, max_running=1)
+    assert (engine.windows, engine.tokens_per_s) == (2, 530.0)
+    with pytest.raises(SystemExit, match="no decode line with 3 to 4 running"):
+        steps.engine_steps("server", steps.read_lines(log), min_running=3, max_running=4)
+
+
 def test_sglang_settings_are_read_field_by_field_from_the_logged_line(tmp_path: Path) -> None:
     log = tmp_path / "sglang.log"
     log.write_text(
