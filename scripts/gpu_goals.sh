@@ -22,7 +22,8 @@
 # GOALS_REQUESTS_PER_STREAM (default 4) lengthens each aiperf run: at 4, a 64-stream run is 7-9 s under load in 40 s.
 # A step that fails is logged and the next one runs. While the run lasts, top's busiest processes are logged every
 # 2 s (top.log), so a slow round can be read against what else ran, and how long each SGLang scheduler waited for a
-# CPU (sched.log; `wait` summarizes it in sched-wait.txt). /tmp/goals/done marks the end.
+# CPU (sched.log; `wait` summarizes it in sched-wait.txt), and each CPU's time stolen by the host over the run
+# (cpu-steal.txt). /tmp/goals/done marks the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=/tmp/goals
@@ -77,9 +78,11 @@ run_all() {
     # How long each SGLang scheduler waited for a CPU while it had work (scripts/sched_wait.py).
     bash scripts/gpu_run.sh python3 scripts/sched_wait.py --out "$dir/sched.log" > "$dir/sched-wait.err" 2>&1 &
     local sampler=$!
+    cat /proc/stat > "$dir/proc-stat-start"  # each CPU's busy, idle and stolen time over the run (cpu-steal.txt)
     for name in ${GOALS_STEPS:-aiperf ttft streams scale fanin serving}; do run_step "$name" "$rounds"; done
     kill "$monitor" 2>/dev/null || true
     kill "$sampler" 2>/dev/null || true
+    cat /proc/stat > "$dir/proc-stat-end"
     touch "$dir/done"
 }
 
@@ -177,6 +180,11 @@ case "${1:-}" in
             bash scripts/gpu_run.sh python3 scripts/sched_wait.py --summary "$dir/sched.log" > "$out/sched-wait.txt" 2>&1 || true
             cat "$out/sched-wait.txt"
         fi
+        if [ -f "$dir/proc-stat-start" ]; then  # time the host took from each CPU (a VM's steal), start to end or now
+            stat_end=/proc/stat; [ -f "$dir/proc-stat-end" ] && stat_end="$dir/proc-stat-end"
+            python3 scripts/cpu_steal.py "$dir/proc-stat-start" "$stat_end" > "$out/cpu-steal.txt" 2>&1 || true
+            cat "$out/cpu-steal.txt"
+        fi
         if grep -q "server_args=ServerArgs(" /tmp/sglang-server.log 2>/dev/null; then
             # The two engines' settings, where they differ (each logs them at start when at info).
             python3 scripts/sglang_args_diff.py /tmp/sglang-server.log /tmp/a/bench-vs-sglang-conveyor/decode.log \
@@ -196,7 +204,7 @@ case "${1:-}" in
         if [ -f "$dir/done" ]; then echo "[gpu-goals] done"; else echo "[gpu-goals] still running"; fi
         ;;
     *)
-        sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'
+        sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'
         exit 2
         ;;
 esac

@@ -275,3 +275,16 @@ def test_steps_around_canaries_split_each_round_at_the_stack_s_first_canary_unde
     assert both.stdout.splitlines()[-1] == (
         "conveyor over server, medians: before the first canary: 0.95x (0.90-1.00), 2 rounds; "
         "after it: 0.80x (0.80-0.80), 1 rounds; rounds with no canary: 0.90x (0.90-0.90), 1 rounds")
+
+
+def test_cpu_steal_counts_each_cpus_stolen_time_between_two_snapshots() -> None:
+    cpu_steal = _script("cpu_steal")
+    start = cpu_steal.read_stat("cpu  100 0 50 800 10 0 0 40 0 0\ncpu0 60 0 30 400 5 0 0 5 0 0\n"
+                                "cpu1 40 0 20 400 5 0 0 35 0 0\nintr 12345\n")
+    end = cpu_steal.read_stat("cpu  300 0 100 900 10 0 0 140 20 0\ncpu0 160 0 55 450 5 0 0 10 20 0\n"
+                              "cpu1 140 0 45 450 5 0 0 130 0 0\nintr 23456\n")
+    rows = {row.name: row for row in cpu_steal.between(start, end)}
+    assert list(rows) == ["cpu", "cpu0", "cpu1"]  # the all-CPU line first, then by number
+    assert (rows["cpu1"].busy_ticks, rows["cpu1"].idle_ticks, rows["cpu1"].steal_ticks) == (125, 50, 95)
+    assert rows["cpu0"].busy_ticks == 125  # guest time is already in user: not counted twice
+    assert cpu_steal.percent(rows["cpu1"].steal_ticks, rows["cpu1"].total_ticks) == 100.0 * 95 / 270
