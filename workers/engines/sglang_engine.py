@@ -229,9 +229,9 @@ def _data_parallel_size(config: SGLangEngineConfig) -> int:
     return int(config.extra_server_args.get("dp_size") or 1)
 
 
-def server_args(config: SGLangEngineConfig, kv_events_publish: str, bootstrap_port: int) -> dict[str, Any]:
-    """Keyword arguments for `sglang.Engine(...)`; `kv_events_publish` is `KvEventsEndpoint.publish` (unused with the
-    events off)."""
+def server_args(config: SGLangEngineConfig, kv_events_publish: str | None, bootstrap_port: int) -> dict[str, Any]:
+    """Keyword arguments for `sglang.Engine(...)`; `kv_events_publish` is `KvEventsEndpoint.publish`, None where the
+    events are off."""
     args: dict[str, Any] = {
         "model_path": config.model_path,
         "load_format": config.load_format,
@@ -245,7 +245,7 @@ def server_args(config: SGLangEngineConfig, kv_events_publish: str, bootstrap_po
     }
     if config.skip_tokenizer_init:
         args["skip_tokenizer_init"] = True
-    if config.kv_events:
+    if config.kv_events and kv_events_publish is not None:
         args["kv_events_config"] = json.dumps(
             {"publisher": "zmq", "endpoint": kv_events_publish, "topic": "kv-events"})
     optional = {
@@ -690,7 +690,7 @@ class SGLangEngine:
             self._private_dir = private_socket_dir()
             kv_events = kv_events_endpoint(self.config, self._private_dir)
         bootstrap_port = self.config.bootstrap_port or _free_port()
-        args = server_args(self.config, kv_events.publish if kv_events else "", bootstrap_port)
+        args = server_args(self.config, kv_events.publish if kv_events else None, bootstrap_port)
         log.info("sglang.starting", model=self.config.model_path, role=self.config.role.value)
         self._engine = sglang.Engine(**args)
         if self.config.skip_tokenizer_init:
