@@ -6,16 +6,20 @@ import asyncio
 import os
 import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from nats.js.api import RetentionPolicy
 
+from bus.connection import connect
 from bus.errors import PayloadTooLarge
 from bus.publish import TaskPublisher
-from bus.server import EmbeddedNatsServer
-from bus.settings import BusSettings
-from bus.streams import declare_all, ensure_work_consumer, report, work_consumer_config
+from bus.server import EmbeddedNatsServer, sweep_orphaned_stores
+from bus.settings import BusSettings, NatsSettings
+from bus.streams import (StoreTooSmall, declare_all, declare_all_when_ready, ensure_work_consumer, report,
+                         work_consumer_config)
 from bus.subjects import Names, model_token
 from bus.tracing import TraceContext
 from schemas.registry import Stage
@@ -83,9 +87,6 @@ async def test_republished_request_id_is_dropped_as_a_duplicate(bus: Bus) -> Non
 async def test_a_publish_stored_but_unacknowledged_is_not_mistaken_for_another_requests(tmp_path: Path) -> None:
     # The server is paused while the task is in flight: the first attempt's ack never comes in time, the task
     # is stored once the server resumes, and the retry is answered "duplicate" — of this very task.
-    from bus.connection import connect
-    from bus.settings import NatsSettings
-
     with EmbeddedNatsServer(store_dir=tmp_path) as server:
         nc = await connect(NatsSettings(urls=[server.url]), "lost-ack-test")
         try:
@@ -122,10 +123,6 @@ async def test_a_store_too_small_for_the_streams_fails_at_once_saying_which_sett
     # The server reserves every stream's cap up front; a full disk gives it the same small limit as this config.
     config = tmp_path / "small-store.conf"
     config.write_text("jetstream { max_file_store: 16MB }\n")
-    from bus.connection import connect
-    from bus.settings import NatsSettings
-    from bus.streams import StoreTooSmall, declare_all_when_ready
-
     with EmbeddedNatsServer(store_dir=tmp_path / "store", config_file=config) as server:
         nc = await connect(NatsSettings(urls=[server.url]), "small-store")
         try:
@@ -143,10 +140,6 @@ async def test_a_store_too_small_for_the_streams_fails_at_once_saying_which_sett
 
 async def test_a_server_we_start_on_a_nearly_full_disk_still_takes_the_streams(tmp_path: Path) -> None:
     # Caps summing past 75% of the free disk stand for the default caps on a nearly full disk.
-    from bus.connection import connect
-    from bus.settings import NatsSettings
-    from bus.streams import StoreTooSmall
-
     free_bytes = shutil.disk_usage(tmp_path).free
     settings = BusSettings(namespace="roomy", work_max_bytes=free_bytes // 4)
     for floor_bytes, fits in ((0, False), (4 * free_bytes, True)):
@@ -168,9 +161,6 @@ async def test_a_server_we_start_on_a_nearly_full_disk_still_takes_the_streams(t
 
 
 async def test_a_payload_limit_and_a_config_file_apply_together(tmp_path: Path) -> None:
-    from bus.connection import connect
-    from bus.settings import NatsSettings
-
     config = tmp_path / "conf" / "named.conf"
     config.parent.mkdir()
     config.write_text("server_name: named-by-file\n")
@@ -184,11 +174,6 @@ async def test_a_payload_limit_and_a_config_file_apply_together(tmp_path: Path) 
 
 
 def test_a_killed_processs_temporary_store_is_removed_by_the_next_server_started(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
-    from bus.server import sweep_orphaned_stores
-
     # A process makes a temporary store the way EmbeddedNatsServer does, then dies without cleaning up.
     make_store = ("import sys, tempfile; from pathlib import Path; from bus import server; "
                   "store = Path(tempfile.mkdtemp(prefix='conveyor-nats-', dir=sys.argv[1])); "
