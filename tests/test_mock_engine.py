@@ -60,7 +60,8 @@ async def test_lockstep_requests_get_their_tokens_in_the_same_steps() -> None:
     later = {name: times[1:] for name, times in stamps.items()}
     assert all(len(times) == 4 for times in later.values())
     # On their own timers b and c would be 10 and 20 ms off a; within one shared step they are one loop turn apart,
-    # which a pause on a busy 2-core machine (a fresh-clone CI run) stretched past 2 ms once: 5 ms still tells them apart.
+    # which a pause on a busy 2-core machine (a fresh-clone CI run) stretched past 2 ms once: 5 ms still tells
+    # them apart.
     for a_time in later["a"][2:]:  # by a's third step the others have joined its clock
         assert any(abs(a_time - other) < 0.005 for other in later["b"])
         assert any(abs(a_time - other) < 0.005 for other in later["c"])
