@@ -56,8 +56,16 @@ for target in "${targets[@]}"; do
     echo "[gpu-profile] $target: loaded run, profiled (${processes[*]})" >&2
     aiperf "$target" "$url" "${PROFILE_REQUESTS_PER_STREAM:-8}" > "$out/aiperf-$target.log" 2>&1 &
     loader=$!
-    bash scripts/gpu_run.sh python3 scripts/profile_processes.py "${processes[@]}" --busy-percent 30 --duration-s 10 \
+    # The window opens when the scheduler is busy: it sleeps while idle and runs a whole core under any load, where
+    # the main processes pass no threshold at one stream (a 1-stream run waited 180 s for the server's and gave up).
+    bash scripts/gpu_run.sh python3 scripts/profile_processes.py "${processes[@]}" --when-busy scheduler \
+        --busy-percent 50 --duration-s 10 \
         "${metrics[@]}" --out "/tmp/profile-$target" > "$out/prof-$target.json" 2> "/tmp/profile-$target.err" || true
     wait "$loader" || echo "[gpu-profile] $target: aiperf failed (see $out/aiperf-$target.log)" >&2
-    tar -C "/tmp/profile-$target" -czf "$out/$target-profiles.tgz" $(cd "/tmp/profile-$target" && ls profile-*.txt)
+    profiles=$(cd "/tmp/profile-$target" 2> /dev/null && ls profile-*.txt 2> /dev/null) || true
+    if [ -n "$profiles" ]; then
+        tar -C "/tmp/profile-$target" -czf "$out/$target-profiles.tgz" $profiles
+    else  # the next target still runs
+        echo "[gpu-profile] $target: no profiles ($(tail -1 "/tmp/profile-$target.err" 2> /dev/null))" >&2
+    fi
 done
