@@ -21,6 +21,8 @@ gap between two events, each as a ratio to the first target.
     python scripts/bench_ttft.py --model .gpu/smol http://127.0.0.1:30000 http://127.0.0.1:8000
     # the same with token-id prompts (tokenization left out of both):
     python scripts/bench_ttft.py --model .gpu/smol 'http://127.0.0.1:30000#ids' 'http://127.0.0.1:8000#ids'
+    # aiperf's path: each prompt as a chat message (the chat template and the tokenizer on both sides)
+    python scripts/bench_ttft.py --model .gpu/smol --chat http://127.0.0.1:30000 http://127.0.0.1:8000
     # issue 11's one-stream load (outputs of 128–512 tokens): token rate and inter-token latency, paired
     python scripts/bench_ttft.py --model .gpu/smol --requests 60 --min-tokens 128 --max-tokens 512 \
         http://127.0.0.1:30000 http://127.0.0.1:8000
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import statistics
 import sys
@@ -81,20 +84,32 @@ class Stream:
 
 
 async def stream_once(session: aiohttp.ClientSession, target: Target, model: str, text: str, ids: list[int],
-                      num_tokens: int) -> Stream:
-    body = {"model": model, "prompt": ids if target.as_ids else text, "max_tokens": num_tokens, "stream": True,
-            "ignore_eos": True}
+                      num_tokens: int, chat: bool = False) -> Stream:
+    if chat:
+        route, body = "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": text}]}
+    else:
+        route, body = "/v1/completions", {"model": model, "prompt": ids if target.as_ids else text}
+    body |= {"max_tokens": num_tokens, "stream": True, "ignore_eos": True}
     started = time.perf_counter()
     event_ms: list[float] = []
-    async with session.post(f"{target.url}/v1/completions", json=body) as response:
+    async with session.post(f"{target.url}{route}", json=body) as response:
         if response.status != 200:
             raise RuntimeError(f"{target}: HTTP {response.status}: {(await response.text())[:300]}")
         async for line in response.content:  # read to the end: the next request starts on an idle server
-            if line.startswith(b"data: ") and b'"text"' in line:
-                event_ms.append((time.perf_counter() - started) * 1000)
+            arrived_ms = (time.perf_counter() - started) * 1000
+            if line.startswith(b"data: ") and (has_content(line) if chat else b'"text"' in line):
+                event_ms.append(arrived_ms)
     if not event_ms:
         raise RuntimeError(f"{target}: the stream ended without a token")
     return Stream(num_tokens, event_ms, (time.perf_counter() - started) * 1000)
+
+
+def has_content(line: bytes) -> bool:
+    """A chat chunk with text in its delta (as aiperf counts: not the role-only first chunk some servers send)."""
+    if not line.startswith(b"data: {"):
+        return False
+    choices = json.loads(line[len(b"data: "):]).get("choices") or [{}]
+    return bool((choices[0].get("delta") or {}).get("content"))
 
 
 def random_prompts(model: str, count: int, max_tokens: int, seed: int) -> list[tuple[str, list[int]]]:
@@ -173,14 +188,16 @@ async def run(args: argparse.Namespace) -> None:
             for target in cycle[index % len(cycle)]:
                 if args.idle_s:
                     await asyncio.sleep(args.idle_s)
-                samples[target].append(await stream_once(session, target, args.model, text, ids, num_tokens[index]))
+                samples[target].append(await stream_once(session, target, args.model, text, ids, num_tokens[index],
+                                                          args.chat))
             done = index + 1 - args.warmup
             if done > 0 and done % args.progress_every == 0:
                 print(f"[bench-ttft] {done}/{args.requests} prompts", file=sys.stderr, flush=True)
     kept = {target: streams[args.warmup:] for target, streams in samples.items()}
     tokens = (f"{args.max_tokens}" if args.min_tokens == args.max_tokens else f"{args.min_tokens}–{args.max_tokens}")
     idle = f", {args.idle_s:g} s idle before each" if args.idle_s else ""
-    print(f"TTFT at one stream, {args.requests} prompts of up to {args.prompt_tokens} tokens "
+    route = "chat completions" if args.chat else "completions"
+    print(f"TTFT at one stream ({route}), {args.requests} prompts of up to {args.prompt_tokens} tokens "
           f"(after {args.warmup} discarded), {tokens} tokens each{idle}")
     for target, streams in kept.items():
         print(f"  {str(target):40s} {percentiles([stream.ttft_ms for stream in streams])}")
@@ -218,12 +235,17 @@ def main() -> None:
                         help="Idle time before each request (default 0: it follows the last one's end). A pipeline "
                              "idle longer wakes colder: this separates that from the last request's length.")
     parser.add_argument("--request-timeout-s", type=float, default=60.0)
+    parser.add_argument("--chat", action="store_true",
+                        help="Send each prompt as one user message to /v1/chat/completions (aiperf's path: the chat "
+                             "template and the tokenizer on it) instead of a prompt to /v1/completions.")
     args = parser.parse_args()
     if args.requests < 2:
         parser.error("--requests must be at least 2 (percentiles)")
     args.min_tokens = args.max_tokens if args.min_tokens is None else args.min_tokens
     if not 1 <= args.min_tokens <= args.max_tokens:
         parser.error("--min-tokens must be from 1 to --max-tokens")
+    if args.chat and any(target.as_ids for target in args.targets):
+        parser.error("--chat sends text messages: no target can take token ids (URL#ids) with it")
     asyncio.run(run(args))
 
 
