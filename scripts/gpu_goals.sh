@@ -13,11 +13,13 @@
 #             stream, paired prompt by prompt
 #   onestream (not in the default list) the first token at one stream three ways, paired: short requests back
 #             to back, after 1 s of idle each, whole streams of 128–512 tokens (docs/performance.md, 25th stop)
+#   onechat   (not in the default list) the same through the chat route, aiperf's (bench_ttft.py --chat): short
+#             requests back to back, then whole streams (docs/performance.md, 33rd stop)
 #   scale     scripts/bench_scale.py: the mock engine with 1, 2, 4 and 8 decode replicas (CPU only)
 #   fanin     scripts/bench_fanin.py: tokens/s into one receiving process (CPU only)
 #   serving   scripts/bench_vs_sglang.py: bench_serving's bursts at 64 streams, with the server's own control
 # GOALS_STEPS picks and orders them (default: all, in the order above). GOALS_ALSO="NAME=URL ..." adds targets to
-# the aiperf, ttft, streams and onestream steps, measured in the same rounds (GOALS_ALSO=b=http://127.0.0.1:8001).
+# the aiperf, ttft, streams, onestream and onechat steps, measured in the same rounds (GOALS_ALSO=b=http://127.0.0.1:8001).
 # GOALS_TOGETHER=1 runs the aiperf step's systems at the same time in each round (bench_aiperf.py --together).
 # GOALS_REQUESTS_PER_STREAM (default 4) lengthens each aiperf run: at 4, a 64-stream run is 7-9 s under load in 40 s.
 # A step that fails is logged and the next one runs. While the run lasts, top's busiest processes are logged every
@@ -54,6 +56,10 @@ run_step() {  # run_step NAME ROUNDS
                        "$server" "$stack" "${also_urls[@]}"
                    step onestream-whole python3 scripts/bench_ttft.py --model .gpu/smol --requests 30 --min-tokens 128 \
                        --max-tokens 512 --progress-every 30 "$server" "$stack" "${also_urls[@]}" ;;
+        onechat) step onechat-short python3 scripts/bench_ttft.py --model .gpu/smol --chat --requests 150 \
+                     "$server" "$stack" "${also_urls[@]}"
+                 step onechat-whole python3 scripts/bench_ttft.py --model .gpu/smol --chat --requests 30 \
+                     --min-tokens 128 --max-tokens 512 --progress-every 30 "$server" "$stack" "${also_urls[@]}" ;;
         scale) step scale python3 scripts/bench_scale.py --rounds 1 ;;
         fanin) step fanin python3 scripts/bench_fanin.py --senders 8 --streams 1024 --tokens-per-frame 1 8 --rounds 2 ;;
         serving) step serving python3 scripts/bench_vs_sglang.py --model .gpu/smol --sglang-url "$server" \
