@@ -15,6 +15,8 @@
 #             to back, after 1 s of idle each, whole streams of 128–512 tokens (docs/performance.md, 25th stop)
 #   onechat   (not in the default list) the same through the chat route, aiperf's (bench_ttft.py --chat): short
 #             requests back to back, then whole streams (docs/performance.md, 33rd stop)
+#   spread    (not in the default list) scripts/bench_gateway_spread.py: one stream's first token through a gateway
+#             of one process and of two, over one connection and over four in turn (CPU only)
 #   scale     scripts/bench_scale.py: the mock engine with 1, 2, 4 and 8 decode replicas (CPU only)
 #   fanin     scripts/bench_fanin.py: tokens/s into one receiving process (CPU only)
 #   serving   scripts/bench_vs_sglang.py: bench_serving's bursts at 64 streams, with the server's own control
@@ -60,6 +62,7 @@ run_step() {  # run_step NAME ROUNDS
                      "$server" "$stack" "${also_urls[@]}"
                  step onechat-whole python3 scripts/bench_ttft.py --model .gpu/smol --chat --requests 30 \
                      --min-tokens 128 --max-tokens 512 --progress-every 30 "$server" "$stack" "${also_urls[@]}" ;;
+        spread) step spread python3 scripts/bench_gateway_spread.py --requests 150 ;;
         scale) step scale python3 scripts/bench_scale.py --rounds 1 ;;
         fanin) step fanin python3 scripts/bench_fanin.py --senders 8 --streams 1024 --tokens-per-frame 1 8 --rounds 2 ;;
         serving) step serving python3 scripts/bench_vs_sglang.py --model .gpu/smol --sglang-url "$server" \
