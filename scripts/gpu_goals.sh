@@ -21,7 +21,8 @@
 #   fanin     scripts/bench_fanin.py: tokens/s into one receiving process (CPU only)
 #   serving   scripts/bench_vs_sglang.py: bench_serving's bursts at 64 streams, with the server's own control
 # GOALS_STEPS picks and orders them (default: all, in the order above). GOALS_ALSO="NAME=URL ..." adds targets to
-# the aiperf, ttft, streams, onestream and onechat steps, measured in the same rounds (GOALS_ALSO=b=http://127.0.0.1:8001).
+# the aiperf, ttft, streams, onestream and onechat steps, measured in the same rounds
+# (GOALS_ALSO=b=http://127.0.0.1:8001).
 # GOALS_TOGETHER=1 runs the aiperf step's systems at the same time in each round (bench_aiperf.py --together).
 # GOALS_REQUESTS_PER_STREAM (default 4) lengthens each aiperf run: at 4, a 64-stream run is 7-9 s under load in 40 s.
 # A step that fails is logged and the next one runs. While the run lasts, top's busiest processes are logged every
