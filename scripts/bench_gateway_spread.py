@@ -19,7 +19,6 @@ import asyncio
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,13 +33,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_pipeline import mock_env, spawn_workers  # noqa: E402
-from bus.server import EmbeddedNatsServer  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+from bench_ttft import Target, stream_once  # noqa: E402
+from bus.server import EmbeddedNatsServer, free_port  # noqa: E402
 
 
 def start_gateway(url: str, namespace: str, port: int, processes: int) -> subprocess.Popen[bytes]:
@@ -65,17 +59,8 @@ async def wait_ready(session: aiohttp.ClientSession, port: int, timeout_s: float
 
 async def first_token_ms(session: aiohttp.ClientSession, port: int, prompt: str) -> float:
     """Milliseconds from the post to the first chunk with content (as aiperf counts); read to the end."""
-    body = {"model": "mock", "messages": [{"role": "user", "content": prompt}], "max_tokens": 4, "stream": True}
-    started_s, first_s = time.perf_counter(), 0.0
-    async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as response:
-        if response.status != 200:
-            raise RuntimeError(f"port {port}: HTTP {response.status}: {(await response.text())[:300]}")
-        async for line in response.content:
-            if not first_s and line.startswith(b"data: {") and b'"content":"' in line and b'"content":""' not in line:
-                first_s = time.perf_counter()
-    if not first_s:
-        raise RuntimeError(f"port {port}: the stream ended without content")
-    return 1000 * (first_s - started_s)
+    target = Target(f"http://127.0.0.1:{port}", as_ids=False)
+    return (await stream_once(session, target, "mock", prompt, [], num_tokens=4, chat=True)).ttft_ms
 
 
 async def measure(args: argparse.Namespace, single_port: int, spread_port: int) -> None:
