@@ -102,7 +102,32 @@ def finish_aiperf(args: argparse.Namespace, process: subprocess.Popen, url: str,
         raise RuntimeError(f"{error_rate:.1f}% of requests failed against {url} (see {out_dir})")
     load_s = float(summary["benchmark_duration"]["avg"])
     say(f"  aiperf took {time.monotonic() - started_s:.0f} s, {load_s:.0f} s of it under load")
+    say(f"  {url}: {slowest_first_tokens(out_dir / 'profile_export.jsonl')}")
     return {name: float(summary[metric][statistic]) for name, (metric, statistic) in MEASURES.items()}
+
+
+def slowest_first_tokens(records_path: Path, tail_share: float = 0.01) -> str:
+    """When a run's slowest first tokens (its TTFT p99 tail) were sent: each one's place in the order the requests
+    started (#1 is the first) and its start after the first request's. A tail all within the first `concurrency`
+    places is the opening burst's; one spread over the run is not."""
+    if not records_path.exists():
+        return f"no per-request records ({records_path.name} missing)"
+    started: list[tuple[int, float]] = []  # (start in ns, TTFT in ms) of each request that succeeded
+    for line in records_path.open():
+        record = json.loads(line)
+        metadata, ttft = record.get("metadata", {}), record.get("metrics", {}).get("time_to_first_token")
+        if ttft is None or record.get("error") or metadata.get("benchmark_phase", "profiling") != "profiling":
+            continue
+        started.append((int(metadata["request_start_ns"]), float(ttft["value"])))
+    if not started:
+        return "no successful requests in the records"
+    started.sort()
+    first_ns = started[0][0]
+    num_tail = max(1, round(len(started) * tail_share))
+    tail = sorted(range(len(started)), key=lambda index: started[index][1], reverse=True)[:num_tail]
+    places = ", ".join(f"#{index + 1} at +{(started[index][0] - first_ns) / 1e9:.2f} s ({started[index][1]:.0f} ms)"
+                       for index in sorted(tail))
+    return f"slowest {num_tail} first tokens of {len(started)}: {places}"
 
 
 def run_aiperf(args: argparse.Namespace, url: str, concurrency: int, seed: int, out_dir: Path) -> dict[str, float]:

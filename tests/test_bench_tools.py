@@ -288,3 +288,15 @@ def test_cpu_steal_counts_each_cpus_stolen_time_between_two_snapshots() -> None:
     assert (rows["cpu1"].busy_ticks, rows["cpu1"].idle_ticks, rows["cpu1"].steal_ticks) == (125, 50, 95)
     assert rows["cpu0"].busy_ticks == 125  # guest time is already in user: not counted twice
     assert cpu_steal.percent(rows["cpu1"].steal_ticks, rows["cpu1"].total_ticks) == 100.0 * 95 / 270
+
+
+def test_aiperf_slowest_first_tokens_are_placed_in_the_order_requests_started(tmp_path: Path) -> None:
+    records = tmp_path / "profile_export.jsonl"
+    rows = [{"metadata": {"request_start_ns": 10**9 + index * 10**7, "benchmark_phase": "profiling"},
+             "metrics": {"time_to_first_token": {"value": 500.0 if index in (3, 150) else 20.0, "unit": "ms"}}}
+            for index in range(200)]
+    rows.append({"metadata": {"request_start_ns": 0, "benchmark_phase": "warmup"},
+                 "metrics": {"time_to_first_token": {"value": 900.0, "unit": "ms"}}})
+    records.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    report = _script("bench_aiperf").slowest_first_tokens(records)
+    assert report == "slowest 2 first tokens of 200: #4 at +0.03 s (500 ms), #151 at +1.50 s (500 ms)"
