@@ -7,10 +7,13 @@ reverse, so that each system runs before and after each other one equally often;
 at once, each round's ratio then paired in time). The prompt and output lengths
 follow issue 11: 128–1024 prompt tokens, 128–512 output tokens (`ignore_eos`, so every request runs to its length on
 either server). It prints each system's median round and its ratios to the first URL,
-and each round's tok/s ratio and ITL p99 beside its TTFT p50.
+and each round's tok/s ratio and ITL p99 beside its TTFT p50; where each run's slowest first tokens started; and at
+the end issue 11's goals, each read off the run's medians (met or not). --together-from runs the levels of many
+streams together and the rest one after another, so one run covers every goal:
 
     bash scripts/gpu_run.sh python3 scripts/bench_aiperf.py --tokenizer .gpu/smol \\
-        sglang=http://127.0.0.1:30000 conveyor=http://127.0.0.1:8000 --concurrency 1 16 64 --rounds 3
+        sglang=http://127.0.0.1:30000 conveyor=http://127.0.0.1:8000 --concurrency 256 128 64 16 1 \\
+        --together-from 16 --rounds 2 --requests-per-stream 8
 
 aiperf is taken from `python3 -m aiperf` (scripts/gpu_prepare.sh packs it for the GPU machine; elsewhere
 `pip install aiperf`). Each run's artifacts go under --out.
@@ -183,6 +186,39 @@ def print_level(concurrency: int, rounds: dict[str, list[dict[str, float]]]) -> 
     sys.stdout.flush()
 
 
+def together_at(args: argparse.Namespace, concurrency: int) -> bool:
+    """Whether a level's rounds run every system at once (--together, or --together-from at most this level)."""
+    return args.together or (args.together_from is not None and concurrency >= args.together_from)
+
+
+def print_goals(results: dict[int, dict[str, list[dict[str, float]]]]) -> None:
+    """Issue 11's goals, read off this run's medians over rounds: each system against the first (the reference)."""
+    for name in list(next(iter(results.values())))[1:]:
+        print(f"\nissue 11's goals, {name} against the reference (medians over rounds)")
+        for concurrency, rounds in results.items():
+            for line in goal_lines(concurrency, median_row(rounds[name]), median_row(next(iter(rounds.values())))):
+                print(f"  c={concurrency:<4} {line}")
+    sys.stdout.flush()
+
+
+def goal_lines(concurrency: int, mine: dict[str, float], reference: dict[str, float]) -> list[str]:
+    """One line per goal that applies at this level, each with its figure and whether it is met."""
+    def verdict(met: bool) -> str:
+        return "met" if met else "NOT met"
+
+    tok_ratio = mine["tok/s"] / max(reference["tok/s"], 1e-9)
+    itl_ratio = mine["ITL p99"] / max(reference["ITL p99"], 1e-9)
+    lines = [f"output tok/s ≥ 0.97×: {tok_ratio:.2f}× {verdict(tok_ratio >= 0.97)}",
+             f"ITL p99 ≤ 1.05×: {itl_ratio:.2f}× {verdict(itl_ratio <= 1.05)}"]
+    if concurrency == 1:
+        added_ms = mine["TTFT p50"] - reference["TTFT p50"]
+        lines.append(f"TTFT p50 added ≤ 3 ms: {added_ms:+.1f} ms {verdict(added_ms <= 3.0)}")
+    if concurrency == 64:
+        ttft_ratio = mine["TTFT p99"] / max(reference["TTFT p99"], 1e-9)
+        lines.append(f"TTFT p99 ≤ 1.2×: {ttft_ratio:.2f}× {verdict(ttft_ratio <= 1.2)}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("targets", nargs="+", type=parse_target,
@@ -209,8 +245,14 @@ def main() -> None:
                         help="run every system's aiperf at the same time in each round, with the same prompts: "
                              "the systems share the machine, and its drift in speed between rounds cancels out of "
                              "each round's ratio (default: one system after another)")
+    parser.add_argument("--together-from", type=int, default=None, metavar="STREAMS",
+                        help="run together only the levels of at least STREAMS streams, and the rest one system "
+                             "after another: at one stream two engines on one GPU step at the rate they share, which "
+                             "hides an engine's own rate (e.g. --concurrency 256 64 16 1 --together-from 16)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench-aiperf"))
     args = parser.parse_args()
+    if args.together and args.together_from is not None:
+        parser.error("--together runs every level together; --together-from picks the levels: give one of them")
     args.model_name = args.model_name or args.tokenizer
     if len({name for name, _ in args.targets}) != len(args.targets):
         parser.error("target names must differ")
@@ -223,7 +265,7 @@ def main() -> None:
     for warmup_index in range(args.warmup_runs):
         seed = seed_base + 999 - warmup_index
         out_dirs = {name: args.out / "warmup" / f"{name}-{warmup_index}" for name in urls}
-        if args.together:  # as the rounds run: a profiler waiting for load then opens on both systems at once
+        if together_at(args, args.concurrency[0]):  # as the first level runs: a profiler then opens on all at once
             say(f"warm-up {warmup_index + 1}/{args.warmup_runs} at concurrency {args.concurrency[0]}: together")
             run_together(args, urls, args.concurrency[0], seed, out_dirs)
             continue
@@ -236,7 +278,7 @@ def main() -> None:
         for round_index in range(args.rounds):
             seed = seed_base + 1000 * concurrency + round_index
             out_dirs = {name: args.out / f"c{concurrency}" / f"r{round_index}" / name for name in urls}
-            if args.together:
+            if together_at(args, concurrency):
                 say(f"concurrency {concurrency}, round {round_index + 1}/{args.rounds}: {', '.join(urls)} together")
                 rows = run_together(args, urls, concurrency, seed, out_dirs)
             else:
@@ -251,6 +293,7 @@ def main() -> None:
         print_level(concurrency, rounds)
         # Written after every level, so that a run cut off by a time limit keeps the levels it finished.
         (args.out / "results.json").write_text(json.dumps({"seed_base": seed_base, "levels": results}, indent=1))
+    print_goals(results)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@
 # GOALS_STEPS picks and orders them (default: all, in the order above). GOALS_ALSO="NAME=URL ..." adds targets to
 # the aiperf, ttft, streams, onestream and onechat steps, measured in the same rounds
 # (GOALS_ALSO=b=http://127.0.0.1:8001).
-# GOALS_TOGETHER=1 runs the aiperf step's systems at the same time in each round (bench_aiperf.py --together).
+# GOALS_TOGETHER=1 runs the aiperf step's systems at the same time in each round (bench_aiperf.py --together);
+# GOALS_TOGETHER_FROM=N only the levels of at least N streams (the rest one system after another).
 # GOALS_REQUESTS_PER_STREAM (default 4) lengthens each aiperf run: at 4, a 64-stream run is 7-9 s under load in 40 s.
 # A step that fails is logged and the next one runs. While the run lasts, top's busiest processes are logged every
 # 2 s (top.log), so a slow round can be read against what else ran, and how long each SGLang scheduler waited for a
@@ -49,7 +50,8 @@ run_step() {  # run_step NAME ROUNDS
         aiperf) step aiperf python3 scripts/bench_aiperf.py --tokenizer .gpu/smol "sglang=$server" "conveyor=$stack" \
                     "${also_named[@]}" \
                     --concurrency ${GOALS_LEVELS:-64 256 16 1} --rounds "$2" --workers-max 4 --out "$dir/aiperf" \
-                    --requests-per-stream "${GOALS_REQUESTS_PER_STREAM:-4}" ${GOALS_TOGETHER:+--together} ;;
+                    --requests-per-stream "${GOALS_REQUESTS_PER_STREAM:-4}" ${GOALS_TOGETHER:+--together} \
+                    ${GOALS_TOGETHER_FROM:+--together-from "$GOALS_TOGETHER_FROM"} ;;
         ttft) step ttft python3 scripts/bench_ttft.py --model .gpu/smol "$server" "$stack" "${also_urls[@]}" ;;
         streams) step streams python3 scripts/bench_ttft.py --model .gpu/smol --requests 60 --min-tokens 128 \
                      --max-tokens 512 --progress-every 20 "$server" "$stack" "${also_urls[@]}" ;;
@@ -104,7 +106,7 @@ case "${1:-}" in
         # SGLang stamps its lines with the local time: `wait` keeps the batch lines of this run only.
         date '+%Y-%m-%d %H:%M:%S' > "$dir/started-at"
         # Systems measured at the same time compare bucket by bucket: `wait` then adds the engines' paired rates.
-        if [ -n "${GOALS_TOGETHER:-}" ]; then touch "$dir/together"; fi
+        if [ -n "${GOALS_TOGETHER:-}${GOALS_TOGETHER_FROM:-}" ]; then touch "$dir/together"; fi
         # GOALS_* go along in the environment.
         (setsid nohup bash "$0" run "${2:-3}" > "$dir/run.log" 2>&1 < /dev/null &)
         echo "[gpu-goals] started; progress in $dir/progress.log"

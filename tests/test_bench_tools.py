@@ -300,3 +300,31 @@ def test_aiperf_slowest_first_tokens_are_placed_in_the_order_requests_started(tm
     records.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
     report = _script("bench_aiperf").slowest_first_tokens(records)
     assert report == "slowest 2 first tokens of 200: #4 at +0.03 s (500 ms), #151 at +1.50 s (500 ms)"
+
+
+def test_aiperf_goals_are_read_off_each_level_with_the_ones_that_apply_there() -> None:
+    def row(tokens_per_s: float, ttft_p50_ms: float, ttft_p99_ms: float, itl_p99_ms: float) -> dict[str, float]:
+        return {"tok/s": tokens_per_s, "TTFT p50": ttft_p50_ms, "TTFT p99": ttft_p99_ms, "ITL p50": 2.0,
+                "ITL p99": itl_p99_ms, "gap p99": 3.0}
+
+    goal_lines = _script("bench_aiperf").goal_lines
+    assert goal_lines(1, row(96, 23.5, 40, 2.1), row(100, 20.0, 40, 2.0)) == [
+        "output tok/s ≥ 0.97×: 0.96× NOT met", "ITL p99 ≤ 1.05×: 1.05× met", "TTFT p50 added ≤ 3 ms: +3.5 ms NOT met"]
+    assert goal_lines(64, row(98, 50, 300, 9.0), row(100, 45, 240, 10.0)) == [
+        "output tok/s ≥ 0.97×: 0.98× met", "ITL p99 ≤ 1.05×: 0.90× met", "TTFT p99 ≤ 1.2×: 1.25× NOT met"]
+    assert len(goal_lines(256, row(100, 1, 1, 1), row(100, 1, 1, 1))) == 2  # no first-token goal at 256
+
+
+def test_aiperf_together_from_runs_many_streams_at_once_and_one_stream_in_turn(tmp_path: Path,
+                                                                              fake_aiperf: None) -> None:
+    completed = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_aiperf.py"), "--tokenizer", str(tmp_path), "--together-from", "4",
+         "--concurrency", "4", "1", "--rounds", "2", "sglang=http://127.0.0.1:30000",
+         "conveyor=http://127.0.0.1:29400", "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=90, check=True)
+    assert "warm-up 1/1 at concurrency 4: together" in completed.stderr
+    assert "concurrency 4, round 2/2: sglang, conveyor together" in completed.stderr
+    assert "concurrency 1, round 2/2: conveyor" in completed.stderr  # one after another, the order reversed
+    assert "c=4    output tok/s ≥ 0.97×: 0.98× met" in completed.stdout  # 29400 / 30000
+    assert "c=1    TTFT p50 added ≤ 3 ms: +0.0 ms met" in completed.stdout
+    assert "no per-request records (profile_export.jsonl missing)" in completed.stderr  # said, not an error
