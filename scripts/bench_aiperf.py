@@ -193,10 +193,11 @@ def together_at(args: argparse.Namespace, concurrency: int) -> bool:
 
 def print_goals(results: dict[int, dict[str, list[dict[str, float]]]]) -> None:
     """Issue 11's goals, read off this run's medians over rounds: each system against the first (the reference)."""
-    for name in list(next(iter(results.values())))[1:]:
-        print(f"\nissue 11's goals, {name} against the reference (medians over rounds)")
+    reference, *others = next(iter(results.values()))
+    for name in others:
+        print(f"\nissue 11's goals, {name} against {reference} (medians over rounds)")
         for concurrency, rounds in results.items():
-            for line in goal_lines(concurrency, median_row(rounds[name]), median_row(next(iter(rounds.values())))):
+            for line in goal_lines(concurrency, median_row(rounds[name]), median_row(rounds[reference])):
                 print(f"  c={concurrency:<4} {line}")
     sys.stdout.flush()
 

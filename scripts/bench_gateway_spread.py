@@ -1,11 +1,12 @@
 """One stream through one gateway process or several, over one HTTP connection or several used in turn: the first token.
 
-aiperf keeps a pool of connections per worker process (4 here) and a request at one stream may go out on any of them;
-`bench_ttft.py` sends every request on one kept-alive connection. With `conveyor gateway --workers N` the kernel
-hands each connection to one of the N processes (SO_REUSEPORT), so aiperf's requests can land on a process that did
-not serve the last one, where `bench_ttft.py`'s never do. SGLang's server is one process either way. This measures
-whether that costs a stream's first token: an embedded nats-server, a processor and a decode worker on the mock engine
-(5 ms to the first token), a gateway of one process and one of `--workers` processes; each fresh chat prompt goes to
+A client with several connections in use (aiperf at several streams: a pool per worker process, 4 in
+scripts/bench_aiperf.py) can send a stream's next request on a connection that `conveyor gateway --workers N` gave
+to another of its N processes (the kernel hands each connection to one, SO_REUSEPORT); `bench_ttft.py` sends every
+request on one kept-alive connection, and so does aiperf at one stream (its workers are capped at the concurrency).
+SGLang's server is one process either way. This measures whether spreading costs a stream's first token: an
+embedded nats-server, a processor and a decode worker on the mock engine (5 ms to the first token), a gateway of one
+process and one of `--workers` processes; each fresh chat prompt goes to
 each gateway over one connection and over the next of `--connections` in turn, and it prints, per way of connecting,
 the median per-prompt difference of the multi-process gateway over the single one.
 

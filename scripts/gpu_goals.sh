@@ -16,7 +16,8 @@
 #   onechat   (not in the default list) the same through the chat route, aiperf's (bench_ttft.py --chat): short
 #             requests back to back, then whole streams (docs/performance.md, 33rd stop)
 #   spread    (not in the default list) scripts/bench_gateway_spread.py: one stream's first token through a gateway
-#             of one process and of two, over one connection and over four in turn (CPU only)
+#             of one process and of two, over one connection and over four in turn (CPU only; aiperf itself
+#             keeps one connection at one stream: docs/performance.md, 34th stop)
 #   scale     scripts/bench_scale.py: the mock engine with 1, 2, 4 and 8 decode replicas (CPU only)
 #   fanin     scripts/bench_fanin.py: tokens/s into one receiving process (CPU only)
 #   serving   scripts/bench_vs_sglang.py: bench_serving's bursts at 64 streams, with the server's own control
@@ -26,7 +27,7 @@
 # GOALS_TOGETHER=1 runs the aiperf step's systems at the same time in each round (bench_aiperf.py --together);
 # GOALS_TOGETHER_FROM=N only the levels of at least N streams (the rest one system after another).
 # GOALS_REQUESTS_PER_STREAM (default 4) lengthens each aiperf run: at 4, a 64-stream run is 7-9 s under load in 40 s;
-# GOALS_MIN_REQUESTS (default 16) is the fewest requests of any run (one stream's, in practice).
+# GOALS_MIN_REQUESTS (bench_aiperf.py's default: 16) is the fewest requests of any run (one stream's, in practice).
 # A step that fails is logged and the next one runs. While the run lasts, top's busiest processes are logged every
 # 2 s (top.log), so a slow round can be read against what else ran, and how long each SGLang scheduler waited for a
 # CPU (sched.log; `wait` summarizes it in sched-wait.txt), and each CPU's time stolen by the host over the run
@@ -51,8 +52,8 @@ run_step() {  # run_step NAME ROUNDS
         aiperf) step aiperf python3 scripts/bench_aiperf.py --tokenizer .gpu/smol "sglang=$server" "conveyor=$stack" \
                     "${also_named[@]}" \
                     --concurrency ${GOALS_LEVELS:-64 256 16 1} --rounds "$2" --workers-max 4 --out "$dir/aiperf" \
-                    --requests-per-stream "${GOALS_REQUESTS_PER_STREAM:-4}" --min-requests "${GOALS_MIN_REQUESTS:-16}" \
-                    ${GOALS_TOGETHER:+--together} \
+                    --requests-per-stream "${GOALS_REQUESTS_PER_STREAM:-4}" \
+                    ${GOALS_MIN_REQUESTS:+--min-requests "$GOALS_MIN_REQUESTS"} ${GOALS_TOGETHER:+--together} \
                     ${GOALS_TOGETHER_FROM:+--together-from "$GOALS_TOGETHER_FROM"} ;;
         ttft) step ttft python3 scripts/bench_ttft.py --model .gpu/smol "$server" "$stack" "${also_urls[@]}" ;;
         streams) step streams python3 scripts/bench_ttft.py --model .gpu/smol --requests 60 --min-tokens 128 \
