@@ -25,7 +25,9 @@ gets the journal's `Progress` and decides whether to take the request over where
 
 While a handler runs, `in_progress` is sent every third of the ack wait so JetStream does not
 redeliver long work. At most `max_concurrency` handlers run at once per worker; fetches ask only
-for as many messages as there are free slots, so one replica never hoards work others could do.
+for as many messages as there are free slots, so one replica never hoards work others could do. Slots beyond what
+the engine runs at once (`queued_ahead`) are asked for at a lower priority: a task goes to a replica whose engine
+has a free place before it waits in another's engine queue.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ from bus.pull import Puller
 from bus.replies import ReplySender
 from bus.router import unpin
 from bus.settings import BusSettings
-from bus.streams import ensure_work_consumer, pinned_consumer_config, work_consumer_config
+from bus.streams import WORK_PRIORITY_GROUP, ensure_work_consumer, pinned_consumer_config, work_consumer_config
 from bus.subjects import Names
 from bus.tracing import TraceContext, stage_span
 from schemas.client import Inbox, RequestId
@@ -132,6 +134,13 @@ class ConsumerOptions:
     pinned: bool = False
     # The pool whose queue this worker pulls instead of the model's (bus/pools.py); None: the model's.
     pool: str | None = None
+    # Of max_concurrency, the tasks held beyond what the engine runs at once (they wait in its own queue). They are
+    # taken only from a backlog: a task published while another replica with a free engine place was between two
+    # pulls would otherwise wait here for a place (at 2 mock replicas of 64 streams each, asked for like the rest
+    # they made p99 first tokens 1.5 s instead of 0.1 s). So a worker whose engine is full looks for queued tasks
+    # every `ahead_poll_s`, behind any replica's waiting pull (priority 1), and does not wait for new ones.
+    queued_ahead: int = 0
+    ahead_poll_s: float = 0.02
 
 
 class WorkConsumer(Generic[TaskT]):
@@ -223,16 +232,16 @@ class WorkConsumer(Generic[TaskT]):
         """Declare the shared durable consumer (idempotent) and start pulling from it."""
         durable = await self.declare()
         stream = self._names.work_stream(self.stage)
-        self._shared = await self._start_puller(stream, durable)
+        self._shared = await self._start_puller(stream, durable, WORK_PRIORITY_GROUP)
         if self._options.pinned:
             config = pinned_consumer_config(self._names, self.stage, self.model, self._worker_id, self._settings)
             await ensure_work_consumer(self._js, config, stream)
             assert config.durable_name is not None
             self._pinned = await self._start_puller(stream, config.durable_name)
 
-    async def _start_puller(self, stream: str, durable: str) -> Puller:
+    async def _start_puller(self, stream: str, durable: str, group: str | None = None) -> Puller:
         # The JetStream context's API prefix ($JS.API, or a domain's): nats-py keeps it as `_prefix`.
-        puller = Puller(self._nc, self._js._prefix, stream, durable)
+        puller = Puller(self._nc, self._js._prefix, stream, durable, group)
         await puller.start()
         return puller
 
@@ -259,11 +268,15 @@ class WorkConsumer(Generic[TaskT]):
         assert self._shared is not None
         try:
             # One loop per consumer pulled (the shared queue; this worker's pinned tasks), sharing the slots.
-            await asyncio.gather(*(self._pull(puller) for puller in (self._shared, self._pinned) if puller is not None))
+            pulls = [self._pull(self._shared, ahead_from_backlog=True)]
+            if self._pinned is not None:
+                # Tasks pinned here are for this worker alone: its queue ahead waits for them as for the rest.
+                pulls.append(self._pull(self._pinned, ahead_from_backlog=False))
+            await asyncio.gather(*pulls)
         finally:
             self._loop_done.set()
 
-    async def _pull(self, puller: Puller) -> None:
+    async def _pull(self, puller: Puller, ahead_from_backlog: bool) -> None:
         # A waiting pull asks for one task, handed over alone the moment it comes (nats-py's fetch of several, which
         # this consumer used before bus/pull.py, could hold it 50–520 ms waiting for the rest). A full fetch means a
         # backlog: the next asks for a batch, which the queued tasks fill at once.
@@ -277,8 +290,18 @@ class WorkConsumer(Generic[TaskT]):
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
-            asked = min(free_slots, batch)
-            msgs = await self._fetch(puller, asked)
+            if ahead_from_backlog and free_slots <= self._options.queued_ahead:
+                # The engine is full: only the queue ahead has room, for a backlog (ConsumerOptions.queued_ahead).
+                self._slot_freed.clear()
+                await _first_of(self._slot_freed.wait(), self._stopping.wait(),
+                                asyncio.sleep(self._options.ahead_poll_s))
+                if self._options.queued_ahead < self._options.max_concurrency - len(self._tasks):
+                    continue  # a place freed meanwhile: wait for new work as usual
+                asked = min(self._options.max_concurrency - len(self._tasks), self._options.fetch_batch)
+                msgs = await self._fetch(puller, asked, priority=1, wait=False)
+            else:
+                asked = min(free_slots - self._options.queued_ahead if ahead_from_backlog else free_slots, batch)
+                msgs = await self._fetch(puller, asked, priority=0, wait=True)
             if self._stopping.is_set():
                 # The pull outlived the stop's start (an idle worker's waits up to fetch_timeout_s): what it brought
                 # goes back to the queue at once, for another replica, rather than starting here.
@@ -309,9 +332,9 @@ class WorkConsumer(Generic[TaskT]):
                                  self._options.pool))
         self._shared = self._pinned = None
 
-    async def _fetch(self, puller: Puller, batch: int) -> list[Msg]:
+    async def _fetch(self, puller: Puller, batch: int, priority: int, wait: bool) -> list[Msg]:
         try:
-            return await puller.fetch(batch, self._options.fetch_timeout_s)
+            return await puller.fetch(batch, self._options.fetch_timeout_s, priority, wait)
         except NatsError as error:
             # NATS is away or restarting (closed, reconnecting, no responders, a leader being elected): the client
             # reconnects; keep asking, but not in a hot loop. Any of these ending the loop would stop the worker.

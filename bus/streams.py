@@ -1,7 +1,9 @@
 """Declare the streams, consumers and bucket the pipeline needs; safe to run any number of times.
 
 - one work-queue stream per stage: a task is deleted once acked, and replicas of a stage share one
-  durable pull consumer, so each task goes to exactly one of them;
+  durable pull consumer, so each task goes to exactly one of them; its pulls carry a priority (JetStream's
+  `prioritized` policy, nats-server 2.12+), so a task goes to a replica with a free engine place before it waits
+  in another replica's engine queue (bus/consumer.py);
 - `{NS}_CONTROL`: cancels, kept for the cancel TTL so a worker that starts late still learns them;
 - `{NS}_KV_EVENTS`: KV-cache events, limits retention with a max age (a router replays from it);
 - `{NS}_PROGRESS`: reply journals (bus/journal.py), in memory, so a replica can take a request over;
@@ -35,6 +37,9 @@ from bus.subjects import Names
 from schemas.registry import Stage
 
 log = structlog.get_logger(__name__)
+
+# The shared work consumer's one priority group: every pull from it names the group and a priority (0 first).
+WORK_PRIORITY_GROUP = "work"
 
 # JetStream's error code when a stream's max_bytes would take the server past its store limit.
 _STORE_EXHAUSTED = 10047
@@ -207,12 +212,22 @@ async def ensure_registry_bucket(js: JetStreamContext, names: Names, settings: B
         return await js.create_key_value(config)
 
 
+@dataclass
+class PrioritizedConsumerConfig(ConsumerConfig):
+    """nats-py's ConsumerConfig with JetStream's priority groups, which nats-py does not model yet (as_dict sends
+    them as they are). Declaring the consumer without them turns the policy off again, so every declaration of a
+    work consumer goes through work_consumer_config."""
+
+    priority_groups: list[str] | None = None
+    priority_policy: str | None = None
+
+
 def work_consumer_config(
     names: Names, stage: Stage, model: str | None, settings: BusSettings, max_ack_pending: int,
     pool: str | None = None,
 ) -> ConsumerConfig:
     durable = names.work_consumer(stage, model, pool)
-    return ConsumerConfig(
+    return PrioritizedConsumerConfig(
         name=durable,
         durable_name=durable,
         description=f"Conveyor {stage.value} workers" + (f" for {model}" if model else "")
@@ -224,6 +239,10 @@ def work_consumer_config(
         # Bounds the tasks all replicas hold un-acked at once; past it the rest stay queued.
         max_ack_pending=max_ack_pending,
         max_waiting=512,
+        # Pending pulls are served lowest priority first: a replica asks at 0 for its engine's free places and at 1
+        # for its queue ahead (bus/consumer.py).
+        priority_groups=[WORK_PRIORITY_GROUP],
+        priority_policy="prioritized",
     )
 
 

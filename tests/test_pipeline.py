@@ -467,6 +467,29 @@ async def test_queue_ahead_sets_how_many_wait_in_the_engine(bus: Bus) -> None:
     assert await _most_waiting_in_engine(bus, max_running=16, num_requests=40, queue_ahead=5) == 5
 
 
+async def test_a_task_goes_to_a_replica_with_a_free_place_before_another_s_queue_ahead(bus: Bus) -> None:
+    # Two replicas, each engine running 2 at once with 1 more allowed ahead. Three long requests and a short one
+    # fill both engines; the short one ends, so one replica has a free place, and its pull is newer than the full
+    # replica's. Were the queue ahead pulled for like a free place, that older pull would take the fifth request,
+    # which would then wait in the full engine's queue while the other engine had room.
+    first, second = (mock_decode(max_running_requests=2, inter_token_s=0.01) for _ in range(2))
+    async with running_workers(bus, [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, first),
+                                     (Stage.DECODE, second)], max_concurrency=None, queue_ahead=1):
+        client = client_of(bus)
+        answers = []
+        for max_tokens in (150, 150, 150, 3, 150):
+            answers.append(asyncio.ensure_future(_answer(client, max_tokens=max_tokens)))
+            await asyncio.sleep(0.15)
+        waiting = []
+        while not all(answer.done() for answer in answers):
+            waiting.append(first.engine.load().waiting_requests + second.engine.load().waiting_requests)
+            await asyncio.sleep(0.005)
+        finals = await asyncio.gather(*answers)
+    assert [final.usage.completion_tokens for final in finals] == [150, 150, 150, 3, 150]
+    assert sorted((len(first.engine.seen), len(second.engine.seen))) == [2, 3]
+    assert max(waiting) == 0
+
+
 async def _answer(client: PipelineClient, max_tokens: int) -> FinalFrame:
     async with await client.submit(chat(client, "tell me", max_tokens=max_tokens)) as stream:
         _, final = await stream.collect()

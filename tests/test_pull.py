@@ -8,7 +8,7 @@ import time
 import pytest
 
 from bus.pull import Puller, PullRefused
-from bus.streams import ensure_work_consumer, work_consumer_config
+from bus.streams import WORK_PRIORITY_GROUP, ensure_work_consumer, work_consumer_config
 from schemas.registry import Stage
 from tests.conftest import Bus
 from tests.helpers import stream_len, wait_until_async
@@ -19,7 +19,7 @@ async def puller_of(bus: Bus) -> Puller:
     stream = bus.names.work_stream(Stage.DECODE)
     await ensure_work_consumer(bus.js, config, stream)
     assert config.durable_name is not None
-    puller = Puller(bus.nc, "$JS.API", stream, config.durable_name)
+    puller = Puller(bus.nc, "$JS.API", stream, config.durable_name, WORK_PRIORITY_GROUP)
     await puller.start()
     return puller
 
@@ -98,3 +98,31 @@ async def test_tasks_handed_out_stay_delivered_until_acked(bus: Bus) -> None:
 
 async def _stream_is_empty(bus: Bus) -> bool:
     return await stream_len(bus, Stage.DECODE) == 0
+
+
+async def test_a_waiting_pull_of_priority_0_is_served_before_an_earlier_one_of_priority_1(bus: Bus) -> None:
+    behind, first = await puller_of(bus), await puller_of(bus)
+    later = asyncio.create_task(behind.fetch(1, timeout_s=0.5, priority=1))
+    await asyncio.sleep(0.1)
+    sooner = asyncio.create_task(first.fetch(1, timeout_s=5.0, priority=0))
+    await asyncio.sleep(0.1)
+    await publish(bus, b"task")
+    (msg,) = await sooner
+    assert msg.data == b"task"
+    assert await later == []
+    await msg.ack()
+    await behind.stop()
+    await first.stop()
+
+
+async def test_a_pull_without_waiting_returns_at_once_with_what_is_queued(bus: Bus) -> None:
+    puller = await puller_of(bus)
+    started_s = time.monotonic()
+    assert await puller.fetch(4, timeout_s=5.0, wait=False) == []
+    await publish(bus, b"1", b"2")
+    msgs = await puller.fetch(4, timeout_s=5.0, wait=False)
+    assert [msg.data for msg in msgs] == [b"1", b"2"]
+    assert time.monotonic() - started_s < 1.0  # neither waited for its 5 s
+    for msg in msgs:
+        await msg.ack()
+    await puller.stop()

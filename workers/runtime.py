@@ -241,10 +241,12 @@ class WorkerRuntime:
             await self._stage.start(context)
             if self._adapters is not None:
                 await self._adapters.start()
+            max_concurrency, queued_ahead = self._holding()
             self._consumer = WorkConsumer(
                 nc, js, self._names, self._bus, self.options.stage, self._stage.task_type, self._stage.handle,
                 cancels, worker_id=self.options.worker_id, model=self._stage.consumes_model,
-                options=ConsumerOptions(max_concurrency=self._max_concurrency(), fetch_batch=self.options.fetch_batch,
+                options=ConsumerOptions(max_concurrency=max_concurrency, queued_ahead=queued_ahead,
+                                        fetch_batch=self.options.fetch_batch,
                                         coalesce_window_s=self.options.coalesce_window_s,
                                         journal_replies=self._stage.journals_replies,
                                         # The stages that run prompts: a router may pin a task to one replica.
@@ -292,23 +294,24 @@ class WorkerRuntime:
         if self._registration is not None:
             await self._registration.update(self._card(ready=self.ready))
 
-    def _max_concurrency(self) -> int:
-        """Tasks this worker holds at once: what its engine runs at once and a few ahead, or fewer where configured
-        (DEFAULT_MAX_CONCURRENCY where neither says). Replicas pull from one queue; a replica holding many more than
-        its engine runs keeps tasks waiting while others have room (p99 time to first token 1.35 s instead of 170 ms
-        at 8 mock replicas: docs/performance.md). Holding none ahead, SGLang ran 115 of its 128 requests on average
-        at 256 streams on the H200 against the server's 125: each finished request's place stayed empty until the
-        worker's next pull brought another."""
+    def _holding(self) -> tuple[int, int]:
+        """Tasks this worker holds at once, and how many of those wait ahead of its engine: what the engine runs at
+        once and a few ahead, or fewer where configured (DEFAULT_MAX_CONCURRENCY, none ahead, where neither says).
+        Replicas pull from one queue; a replica holding many more than its engine runs keeps tasks waiting while
+        others have room (p99 time to first token 1.35 s instead of 170 ms at 8 mock replicas: docs/performance.md),
+        so the queue ahead is pulled for behind every replica with a free place (bus/consumer.py). Holding none ahead,
+        SGLang ran 115 of its 128 requests on average at 256 streams on the H200 against the server's 125: each
+        finished request's place stayed empty until the worker's next pull brought another."""
         asked = self.options.max_concurrency
         engine = self._stage.engine
         capacity = engine.info.max_running_requests if engine is not None else None
         if capacity is None:
-            return asked or DEFAULT_MAX_CONCURRENCY
+            return asked or DEFAULT_MAX_CONCURRENCY, 0
         ahead = capacity // QUEUE_AHEAD_SHARE if self.options.queue_ahead is None else self.options.queue_ahead
         if asked is not None and asked <= capacity + ahead:
-            return asked
+            return asked, max(0, asked - capacity)
         log.info("worker.concurrency_from_engine", asked=asked, engine_runs=capacity, queued_ahead=ahead)
-        return capacity + ahead
+        return capacity + ahead, ahead
 
     async def _shutdown(self, consumer_loop: asyncio.Task[None]) -> None:
         """Deregister and drain; with NATS away (a server stopped with its workers) every step that needs it
