@@ -22,7 +22,8 @@ from nats.js.api import ConsumerConfig
 from bus.errors import RemoteError
 from bus.publish import TaskPublisher
 from bus.registry import live_workers
-from bus.streams import work_consumer_config
+from bus.pull import Puller
+from bus.streams import WORK_PRIORITY_GROUP, work_consumer_config
 from bus.tracing import TraceContext
 from schemas.codec import encode
 from schemas.progress import ProgressSnapshot
@@ -138,10 +139,12 @@ async def orphan_task(bus: Bus, max_tokens: int = 40) -> tuple[DecodeTask, objec
                                                   stop=StopConditions(max_tokens=max_tokens)))
     config: ConsumerConfig = work_consumer_config(bus.names, Stage.DECODE, MOCK, bus.settings, 1024)
     await bus.js.add_consumer(bus.names.work_stream(Stage.DECODE), config)
-    puller = await bus.js.pull_subscribe_bind(durable=config.durable_name, stream=bus.names.work_stream(Stage.DECODE))
+    assert config.durable_name is not None
+    puller = Puller(bus.nc, "$JS.API", bus.names.work_stream(Stage.DECODE), config.durable_name, WORK_PRIORITY_GROUP)
+    await puller.start()
     await TaskPublisher(bus.js, bus.names, bus.nc.max_payload).publish(Stage.DECODE, task, request_id, TraceContext.new(),
                                                                          model=MOCK)
-    assert len(await puller.fetch(1, timeout=5)) == 1
+    assert len(await puller.fetch(1, timeout_s=5)) == 1
     return task, stream
 
 
