@@ -290,18 +290,16 @@ class WorkConsumer(Generic[TaskT]):
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
-            if ahead_from_backlog and free_slots <= self._options.queued_ahead:
-                # The engine is full: only the queue ahead has room, for a backlog (ConsumerOptions.queued_ahead).
-                self._slot_freed.clear()
-                await _first_of(self._slot_freed.wait(), self._stopping.wait(),
-                                asyncio.sleep(self._options.ahead_poll_s))
-                if self._options.queued_ahead < self._options.max_concurrency - len(self._tasks):
-                    continue  # a place freed meanwhile: wait for new work as usual
+            free_places = free_slots - self._options.queued_ahead if ahead_from_backlog else free_slots
+            if free_places > 0:
+                asked = min(free_places, batch)
+                msgs = await self._fetch(puller, asked, priority=0, wait=True)
+            else:
+                # The engine is full: the queue ahead takes what is queued now (ConsumerOptions.queued_ahead).
+                if not await self._still_full_after(self._options.ahead_poll_s):
+                    continue
                 asked = min(self._options.max_concurrency - len(self._tasks), self._options.fetch_batch)
                 msgs = await self._fetch(puller, asked, priority=1, wait=False)
-            else:
-                asked = min(free_slots - self._options.queued_ahead if ahead_from_backlog else free_slots, batch)
-                msgs = await self._fetch(puller, asked, priority=0, wait=True)
             if self._stopping.is_set():
                 # The pull outlived the stop's start (an idle worker's waits up to fetch_timeout_s): what it brought
                 # goes back to the queue at once, for another replica, rather than starting here.
@@ -310,6 +308,13 @@ class WorkConsumer(Generic[TaskT]):
             for msg in msgs:
                 self._spawn(msg)
             batch = self._options.fetch_batch if len(msgs) == asked else 1
+
+    async def _still_full_after(self, delay_s: float) -> bool:
+        """Wait `delay_s`; False as soon as a place in the engine frees (or the worker stops or pauses) meanwhile."""
+        self._slot_freed.clear()
+        await _first_of(self._slot_freed.wait(), self._stopping.wait(), asyncio.sleep(delay_s))
+        full = self._options.max_concurrency - len(self._tasks) <= self._options.queued_ahead
+        return full and self._unpaused.is_set() and not self._stopping.is_set()
 
     async def stop(self, grace_s: float) -> None:
         """Stop fetching, give running handlers `grace_s` to finish, hand the rest back (nak)."""

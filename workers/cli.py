@@ -253,7 +253,8 @@ def worker(
     queue_ahead: Annotated[int | None, typer.Option(min=0, help=(
         "Tasks held beyond what the engine runs at once, in the engine's own queue, so a finished request's place is "
         "taken at once instead of after the next pull (default: an eighth of the engine's running limit, 16 for "
-        "SGLang's 128; 0: none). More keeps tasks from replicas that have room."))] = None,
+        "SGLang's 128; 0: none). They are taken only from a backlog, after every replica with a free place: a "
+        "full worker looks for queued tasks every 20 ms and waits for no new one."))] = None,
     fetch_batch: Annotated[int, typer.Option(min=1, help=(
         "Tasks one pull from the stage's queue takes while a backlog waits (up to the free slots). 1: a burst of "
         "requests reaches the engine one per pull. On the H100 that did not keep SGLang from prefilling a burst "

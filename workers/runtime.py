@@ -77,8 +77,9 @@ class WorkerOptions:
     # (DEFAULT_MAX_CONCURRENCY for a stage whose engine states no limit).
     max_concurrency: int | None = None
     # Tasks held beyond what the engine runs at once, waiting in the engine's own queue, so that a finished request's
-    # place is taken at once rather than after the next pull from the stage's queue. None: an eighth of the engine's
-    # running limit (16 for SGLang's 128; none for an engine running fewer than 8).
+    # place is taken at once rather than after the next pull from the stage's queue; taken only from a backlog, after
+    # every replica with a free place (bus/consumer.py). None: an eighth of the engine's running limit (16 for
+    # SGLang's 128; none for an engine running fewer than 8).
     queue_ahead: int | None = None
     # Tasks one JetStream pull takes when a backlog is queued (bus/consumer.py).
     fetch_batch: int = 8
