@@ -172,6 +172,11 @@ case "${1:-}" in
             python3 scripts/sglang_steps.py "${engines[@]}" --min-running 1 --max-running 1 "${by_time[@]}" \
                 > "$out/engine-steps-one.txt" 2>&1 || rm -f "$out/engine-steps-one.txt"
             cat "$out/engine-steps-one.txt" 2>/dev/null || true
+            # 16 streams' steps apart (12–16 running): the level the thirty-fifth stop's one run missed, its engine
+            # stepping 0.95× the server's there, which the 32-and-more table above leaves out.
+            python3 scripts/sglang_steps.py "${engines[@]}" --min-running 12 --max-running 16 "${by_time[@]}" \
+                > "$out/engine-steps-16.txt" 2>&1 || rm -f "$out/engine-steps-16.txt"
+            cat "$out/engine-steps-16.txt" 2>/dev/null || true
             # Each round split at the stack's first canary under load (since the twenty-ninth stop there should be
             # none: a canary in SGLang's running batch slowed every later step of it).
             rm -f "$out/canary-split.txt"
