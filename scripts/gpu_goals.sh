@@ -18,7 +18,7 @@
 #   spread    (not in the default list) scripts/bench_gateway_spread.py: one stream's first token through a gateway
 #             of one process and of two, over one connection and over four in turn (CPU only; aiperf itself
 #             keeps one connection at one stream: docs/performance.md, 34th stop)
-#   scale     scripts/bench_scale.py: the mock engine with 1, 2, 4 and 8 decode replicas (CPU only)
+#   scale     scripts/bench_scale.py: the mock engine with 1, 2, 4 and 8 decode replicas, 4 requests a stream (CPU only)
 #   fanin     scripts/bench_fanin.py: tokens/s into one receiving process (CPU only)
 #   serving   scripts/bench_vs_sglang.py: bench_serving's bursts at 64 streams, with the server's own control
 # GOALS_STEPS picks and orders them (default: all, in the order above). GOALS_ALSO="NAME=URL ..." adds targets to
@@ -69,7 +69,9 @@ run_step() {  # run_step NAME ROUNDS
                  step onechat-whole python3 scripts/bench_ttft.py --model .gpu/smol --chat --requests 30 \
                      --min-tokens 128 --max-tokens 512 --progress-every 30 "$server" "$stack" "${also_urls[@]}" ;;
         spread) step spread python3 scripts/bench_gateway_spread.py --requests 150 ;;
-        scale) step scale python3 scripts/bench_scale.py --rounds 1 ;;
+        # 4 requests a stream: at 2 a run lasts ~8 s, and the last stream's stragglers weigh on the rate more the
+        # more streams there are (thirty-fifth stop: 0.92 / 0.88 / 0.86 at 2, 0.98 / 0.94 / 0.94 at 4, same lease).
+        scale) step scale python3 scripts/bench_scale.py --rounds 1 --prompts-per-stream 4 ;;
         fanin) step fanin python3 scripts/bench_fanin.py --senders 8 --streams 1024 --tokens-per-frame 1 8 --rounds 2 ;;
         serving) step serving python3 scripts/bench_vs_sglang.py --model .gpu/smol --sglang-url "$server" \
                      --conveyor-url "$stack" --control --concurrency 64 --rounds 6 --min-prompts 16 \
