@@ -26,8 +26,9 @@ gets the journal's `Progress` and decides whether to take the request over where
 While a handler runs, `in_progress` is sent every third of the ack wait so JetStream does not
 redeliver long work. At most `max_concurrency` handlers run at once per worker; fetches ask only
 for as many messages as there are free slots, so one replica never hoards work others could do. Slots beyond what
-the engine runs at once (`queued_ahead`) are asked for at a lower priority: a task goes to a replica whose engine
-has a free place before it waits in another's engine queue.
+the engine runs at once (`queued_ahead`) are filled only from a backlog, by pulls that do not wait and come after
+every replica's waiting pull: a task goes to a replica whose engine has a free place before it waits in another's
+engine queue.
 """
 
 from __future__ import annotations
@@ -290,7 +291,7 @@ class WorkConsumer(Generic[TaskT]):
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
-            free_places = free_slots - self._options.queued_ahead if ahead_from_backlog else free_slots
+            free_places = self._free_places(ahead_from_backlog)
             if free_places > 0:
                 asked = min(free_places, batch)
                 msgs = await self._fetch(puller, asked, priority=0, wait=True)
@@ -309,12 +310,16 @@ class WorkConsumer(Generic[TaskT]):
                 self._spawn(msg)
             batch = self._options.fetch_batch if len(msgs) == asked else 1
 
+    def _free_places(self, ahead_from_backlog: bool) -> int:
+        """Free slots a waiting pull may fill: all of them, or those the queue ahead does not keep for a backlog."""
+        free_slots = self._options.max_concurrency - len(self._tasks)
+        return free_slots - self._options.queued_ahead if ahead_from_backlog else free_slots
+
     async def _still_full_after(self, delay_s: float) -> bool:
         """Wait `delay_s`; False as soon as a place in the engine frees (or the worker stops or pauses) meanwhile."""
         self._slot_freed.clear()
         await _first_of(self._slot_freed.wait(), self._stopping.wait(), asyncio.sleep(delay_s))
-        full = self._options.max_concurrency - len(self._tasks) <= self._options.queued_ahead
-        return full and self._unpaused.is_set() and not self._stopping.is_set()
+        return self._free_places(True) <= 0 and self._unpaused.is_set() and not self._stopping.is_set()
 
     async def stop(self, grace_s: float) -> None:
         """Stop fetching, give running handlers `grace_s` to finish, hand the rest back (nak)."""
