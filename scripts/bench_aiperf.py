@@ -62,8 +62,16 @@ def parse_target(text: str) -> tuple[str, str]:
     return name, url.rstrip("/")
 
 
+def parse_level_requests(text: str) -> tuple[int, int]:
+    streams, separator, requests = text.partition("=")
+    if not separator or not streams.isdigit() or not requests.isdigit() or int(requests) < 1:
+        raise argparse.ArgumentTypeError(f"give STREAMS=REQUESTS_PER_STREAM (e.g. 16=24), not {text!r}")
+    return int(streams), int(requests)
+
+
 def aiperf_command(args: argparse.Namespace, url: str, concurrency: int, seed: int, out_dir: Path) -> list[str]:
-    num_requests = max(args.min_requests, args.requests_per_stream * concurrency)
+    per_stream = args.requests_per_stream_at.get(concurrency, args.requests_per_stream)
+    num_requests = max(args.min_requests, per_stream * concurrency)
     return [
         sys.executable, "-m", "aiperf", "profile",
         "--model", args.model_name, "--tokenizer", str(Path(args.tokenizer).resolve()), "--url", url,
@@ -232,6 +240,10 @@ def main() -> None:
                         help="rounds per level; even, so that each order runs as often as its reverse")
     parser.add_argument("--requests-per-stream", type=int, default=4,
                         help="requests per concurrent stream in a run (default 4)")
+    parser.add_argument("--requests-per-stream-at", type=parse_level_requests, action="append", default=[],
+                        metavar="STREAMS=N",
+                        help="requests per stream at one level, e.g. 16=24 (repeat for more levels): at 4-6 a stream, a 16-stream run "
+                             "is about 6 s under load, where one long straggler moves its rate by several percent")
     parser.add_argument("--min-requests", type=int, default=16)
     parser.add_argument("--warmup-runs", type=int, default=1,
                         help="runs per system before the first level's rounds, not counted: a fresh SGLang compiles "
@@ -252,6 +264,7 @@ def main() -> None:
                              "hides an engine's own rate (e.g. --concurrency 256 64 16 1 --together-from 16)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench-aiperf"))
     args = parser.parse_args()
+    args.requests_per_stream_at = dict(args.requests_per_stream_at)
     if args.together and args.together_from is not None:
         parser.error("--together runs every level together; --together-from picks the levels: give one of them")
     args.model_name = args.model_name or args.tokenizer
