@@ -179,7 +179,7 @@ def test_aiperf_runs_together_overlap_in_time_and_each_keeps_its_own_summary(
         tmp_path: Path, fake_aiperf: None) -> None:
     bench = _script("bench_aiperf")
     args = bench.argparse.Namespace(model_name="m", tokenizer=str(tmp_path), min_requests=16, requests_per_stream=4,
-                                    workers_max=None, run_timeout_s=30.0)
+                                    requests_per_stream_at={}, workers_max=None, run_timeout_s=30.0)
     urls = {"sglang": "http://127.0.0.1:30000", "conveyor": "http://127.0.0.1:8000"}
     out_dirs = {name: tmp_path / name for name in urls}
     rows = bench.run_together(args, urls, 64, 7, out_dirs)
@@ -187,6 +187,21 @@ def test_aiperf_runs_together_overlap_in_time_and_each_keeps_its_own_summary(
     (first_start, first_end), (second_start, second_end) = (
         json.loads((out_dirs[name] / "ran.json").read_text()) for name in urls)
     assert first_start < second_end and second_start < first_end  # the two runs overlapped
+
+
+def test_aiperf_level_named_in_requests_per_stream_at_gets_its_own_run_length(tmp_path: Path) -> None:
+    bench = _script("bench_aiperf")
+    args = bench.argparse.Namespace(model_name="m", tokenizer=str(tmp_path), min_requests=32, requests_per_stream=6,
+                                    requests_per_stream_at=dict([bench.parse_level_requests("16=24")]),
+                                    workers_max=None)
+
+    def request_count(streams: int) -> int:
+        command = bench.aiperf_command(args, "http://127.0.0.1:8000", streams, 7, tmp_path / str(streams))
+        return int(command[command.index("--request-count") + 1])
+
+    assert [request_count(streams) for streams in (1, 16, 64)] == [32, 16 * 24, 64 * 6]
+    with pytest.raises(bench.argparse.ArgumentTypeError):
+        bench.parse_level_requests("16")
 
 
 def test_sched_wait_reads_a_busy_process_cpu_and_names_it_by_its_command_line(tmp_path: Path) -> None:
