@@ -113,9 +113,28 @@ def finish_aiperf(args: argparse.Namespace, process: subprocess.Popen, url: str,
     if error_rate:
         raise RuntimeError(f"{error_rate:.1f}% of requests failed against {url} (see {out_dir})")
     load_s = float(summary["benchmark_duration"]["avg"])
-    say(f"  aiperf took {time.monotonic() - started_s:.0f} s, {load_s:.0f} s of it under load")
+    launched_ns = time.time_ns() - int((time.monotonic() - started_s) * 1e9)
+    say(f"  aiperf took {time.monotonic() - started_s:.0f} s, {load_s:.0f} s of it under load"
+        f"{time_around_load(out_dir / 'profile_export.jsonl', launched_ns, time.time_ns())}")
     say(f"  {url}: {slowest_first_tokens(out_dir / 'profile_export.jsonl')}")
     return {name: float(summary[metric][statistic]) for name, (metric, statistic) in MEASURES.items()}
+
+
+def time_around_load(records_path: Path, launched_ns: int, exited_ns: int) -> str:
+    """Where a run's time outside its load went, from its requests' wall-clock stamps: from launch to the first
+    request, and from the last response to exit (empty where there are no records). Runs this short spend most of
+    their time there, so this is what a longer lease buys."""
+    if not records_path.exists():
+        return ""
+    spans = [(int(record["metadata"]["request_start_ns"]), int(record["metadata"]["request_end_ns"]))
+             for record in map(json.loads, records_path.open())
+             if "request_end_ns" in record.get("metadata", {})
+             and record["metadata"].get("benchmark_phase", "profiling") == "profiling"]
+    if not spans:
+        return ""
+    first_start_ns, last_end_ns = min(start for start, _ in spans), max(end for _, end in spans)
+    return (f" ({(first_start_ns - launched_ns) / 1e9:.0f} s to its first request, "
+            f"{(exited_ns - last_end_ns) / 1e9:.0f} s after its last response)")
 
 
 def slowest_first_tokens(records_path: Path, tail_share: float = 0.01) -> str:

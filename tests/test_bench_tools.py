@@ -317,6 +317,22 @@ def test_aiperf_slowest_first_tokens_are_placed_in_the_order_requests_started(tm
     assert report == "slowest 2 first tokens of 200: #4 at +0.03 s (500 ms), #151 at +1.50 s (500 ms)"
 
 
+def test_aiperf_run_time_outside_its_load_is_split_into_before_the_first_request_and_after_the_last(
+        tmp_path: Path) -> None:
+    records = tmp_path / "profile_export.jsonl"
+    second_ns = 10**9
+    rows = [{"metadata": {"request_start_ns": 30 * second_ns + index * second_ns,
+                          "request_end_ns": 31 * second_ns + index * second_ns, "benchmark_phase": "profiling"}}
+            for index in range(6)]
+    rows.append({"metadata": {"request_start_ns": 0, "request_end_ns": 99 * second_ns, "benchmark_phase": "warmup"}})
+    records.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    time_around_load = _script("bench_aiperf").time_around_load
+    # Launched at 2 s, first request at 30 s, last response at 36 s, exited at 45 s.
+    assert time_around_load(records, 2 * second_ns, 45 * second_ns) == \
+        " (28 s to its first request, 9 s after its last response)"
+    assert time_around_load(tmp_path / "missing.jsonl", 0, 1) == ""
+
+
 def test_aiperf_goals_are_read_off_each_level_with_the_ones_that_apply_there() -> None:
     def row(tokens_per_s: float, ttft_p50_ms: float, ttft_p99_ms: float, itl_p99_ms: float) -> dict[str, float]:
         return {"tok/s": tokens_per_s, "TTFT p50": ttft_p50_ms, "TTFT p99": ttft_p99_ms, "ITL p50": 2.0,
