@@ -175,12 +175,58 @@ def run_together(args: argparse.Namespace, urls: dict[str, str], concurrency: in
     started_s = time.monotonic()
     processes = {name: start_aiperf(args, url, concurrency, seed, out_dirs[name]) for name, url in urls.items()}
     try:
-        return {name: finish_aiperf(args, process, urls[name], out_dirs[name], started_s)
+        rows = {name: finish_aiperf(args, process, urls[name], out_dirs[name], started_s)
                 for name, process in processes.items()}
     finally:
         for process in processes.values():  # one failed: the others' results no longer pair with it
             if process.poll() is None:
                 process.kill()
+    add_shared_window_rates(rows, {name: out_dirs[name] / "profile_export.jsonl" for name in urls})
+    return rows
+
+
+def generation_spans(records_path: Path) -> list[tuple[int, int, int]]:
+    """(first token ns, end ns, output tokens) of each request of a run's profiling phase that succeeded."""
+    spans = []
+    for record in map(json.loads, records_path.open()):
+        metadata, metrics = record.get("metadata", {}), record.get("metrics", {})
+        if record.get("error") or metadata.get("benchmark_phase", "profiling") != "profiling" \
+                or "time_to_first_token" not in metrics or "output_sequence_length" not in metrics:
+            continue
+        first_ns = int(metadata["request_start_ns"]) + int(float(metrics["time_to_first_token"]["value"]) * 1e6)
+        spans.append((first_ns, int(metadata["request_end_ns"]), int(metrics["output_sequence_length"]["value"])))
+    return spans
+
+
+def tokens_in_window(spans: list[tuple[int, int, int]], start_ns: int, end_ns: int) -> float:
+    """Output tokens generated between start_ns and end_ns, each request's spread evenly over its generation."""
+    total = 0.0
+    for first_ns, last_ns, num_tokens in spans:
+        overlap_ns = min(last_ns, end_ns) - max(first_ns, start_ns)
+        if last_ns > first_ns and overlap_ns > 0:
+            total += num_tokens * overlap_ns / (last_ns - first_ns)
+    return total
+
+
+def add_shared_window_rates(rows: dict[str, dict[str, float]], records: dict[str, Path]) -> None:
+    """Each system's token rate over only the time every system was generating ("tok/s shared"). aiperf takes tens of
+    seconds to start, not always alike for each, so in a short run one system can stream alone for seconds at either
+    end, with the machine to itself; its own rate then counts that time and the ratio leans its way."""
+    if not all(path.exists() for path in records.values()):
+        return
+    spans = {name: generation_spans(path) for name, path in records.items()}
+    if not all(spans.values()):
+        return
+    start_ns = max(min(first for first, _, _ in runs) for runs in spans.values())
+    end_ns = min(max(last for _, last, _ in runs) for runs in spans.values())
+    if end_ns <= start_ns:
+        return
+    first_ns = min(min(first for first, _, _ in runs) for runs in spans.values())
+    offsets = ", ".join(f"{name} +{(min(first for first, _, _ in runs) - first_ns) / 1e9:.1f} s"
+                        for name, runs in spans.items())
+    say(f"  streaming began: {offsets}; all streamed together for {(end_ns - start_ns) / 1e9:.1f} s")
+    for name, runs in spans.items():
+        rows[name]["tok/s shared"] = tokens_in_window(runs, start_ns, end_ns) / ((end_ns - start_ns) / 1e9)
 
 
 def print_level(concurrency: int, rounds: dict[str, list[dict[str, float]]]) -> None:
@@ -202,6 +248,11 @@ def print_level(concurrency: int, rounds: dict[str, list[dict[str, float]]]) -> 
 
     for name in names[1:]:
         print(f"{name:<10} | tok/s ratio by round: {', '.join(f'{r:.2f}×' for r in tok_ratios(name, reference))}")
+        if all("tok/s shared" in row for row in rounds[name] + rounds[reference]):
+            shared = [mine["tok/s shared"] / max(theirs["tok/s shared"], 1e-9)
+                      for mine, theirs in zip(rounds[name], rounds[reference])]
+            print(f"{name:<10} | tok/s ratio by round, only while all streamed: "
+                  f"{', '.join(f'{r:.2f}×' for r in shared)} (median {statistics.median(shared):.2f}×)")
     # Two settings of our own measured beside the server (stack a and stack b): their ratio to each other, round by
     # round, is what the comparison is about.
     for index, name in enumerate(names[1:], start=1):

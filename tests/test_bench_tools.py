@@ -333,6 +333,26 @@ def test_aiperf_run_time_outside_its_load_is_split_into_before_the_first_request
     assert time_around_load(tmp_path / "missing.jsonl", 0, 1) == ""
 
 
+def test_aiperf_together_rates_count_only_the_time_every_system_was_streaming(tmp_path: Path) -> None:
+    second_ns = 10**9
+
+    def write(name: str, requests: list[tuple[int, int, int, int]]) -> Path:  # (start s, TTFT ms, end s, tokens)
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({
+            "metadata": {"request_start_ns": start_s * second_ns, "request_end_ns": end_s * second_ns},
+            "metrics": {"time_to_first_token": {"value": ttft_ms}, "output_sequence_length": {"value": tokens}}}) + "\n"
+            for start_s, ttft_ms, end_s, tokens in requests))
+        return path
+
+    # sglang streams 1,000 tokens over 0-10 s; conveyor's aiperf started 2 s later and streams 800 over 2-10 s. Over
+    # the 8 s both streamed, each made 100 tokens a second.
+    rows: dict[str, dict[str, float]] = {"sglang": {}, "conveyor": {}}
+    _script("bench_aiperf").add_shared_window_rates(
+        rows, {"sglang": write("sglang", [(0, 0, 10, 1000)]), "conveyor": write("conveyor", [(1, 1000, 10, 800)])})
+    assert rows["sglang"]["tok/s shared"] == pytest.approx(100.0)
+    assert rows["conveyor"]["tok/s shared"] == pytest.approx(100.0)
+
+
 def test_aiperf_goals_are_read_off_each_level_with_the_ones_that_apply_there() -> None:
     def row(tokens_per_s: float, ttft_p50_ms: float, ttft_p99_ms: float, itl_p99_ms: float) -> dict[str, float]:
         return {"tok/s": tokens_per_s, "TTFT p50": ttft_p50_ms, "TTFT p99": ttft_p99_ms, "ITL p50": 2.0,
