@@ -167,6 +167,7 @@ def fake_aiperf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         "port = int(argv[argv.index('--url') + 1].rsplit(':', 1)[1])\n"
         "started = time.time(); time.sleep(0.5)\n"
         "out.joinpath('ran.json').write_text(json.dumps([started, time.time()]))\n"
+        "out.joinpath('request-count').write_text(argv[argv.index('--request-count') + 1])\n"
         "stat = lambda value: {'avg': value, 'p50': value, 'p99': value}\n"
         "out.joinpath('profile_export_aiperf.json').write_text(json.dumps({\n"
         "    'output_token_throughput': stat(port), 'time_to_first_token': stat(20.0),\n"
@@ -250,12 +251,16 @@ def test_aiperf_together_runs_warm_up_and_rounds_at_once_and_reports_ratios(tmp_
     completed = subprocess.run(
         [sys.executable, str(SCRIPTS / "bench_aiperf.py"), "--tokenizer", str(tmp_path), "--together",
          "--concurrency", "4", "--rounds", "2", "sglang=http://127.0.0.1:30000", "conveyor=http://127.0.0.1:15000",
-         "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=60, check=True)
+         "--requests-per-stream", "8", "--min-requests", "2", "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=60, check=True)
     assert "warm-up 1/1 at concurrency 4: together" in completed.stderr
     assert "round 2/2: sglang, conveyor together" in completed.stderr
     assert "tok/s ratio by round: 0.50×, 0.50×" in completed.stdout  # 15000 / 30000 in each round
     for run in ("warmup/sglang-0", "warmup/conveyor-0", "c4/r1/sglang", "c4/r1/conveyor"):
         assert (tmp_path / "out" / run / "profile_export_aiperf.json").exists()
+    # A warm-up run is one request a stream; a counted one has the requests per stream asked for.
+    assert (tmp_path / "out" / "warmup/sglang-0" / "request-count").read_text() == "4"
+    assert (tmp_path / "out" / "c4/r1/conveyor" / "request-count").read_text() == "32"
 
 
 def test_steps_around_canaries_split_each_round_at_the_stack_s_first_canary_under_load(tmp_path: Path) -> None:
