@@ -28,7 +28,8 @@
 # GOALS_TOGETHER_FROM=N only the levels of at least N streams (the rest one system after another).
 # GOALS_REQUESTS_PER_STREAM (default 4) lengthens each aiperf run: at 4, a 64-stream run is 7-9 s under load in 40 s;
 # GOALS_REQUESTS_AT="16=24 128=12" gives those levels their own requests per stream (a 16-stream run at 6 is ~6 s
-# under load). GOALS_MIN_REQUESTS (bench_aiperf.py's default: 16) is the fewest requests of any run (one stream's, in practice).
+# under load). GOALS_MIN_REQUESTS (bench_aiperf.py's default: 16) is the fewest requests of any run (one stream's, in
+# practice).
 # A step that fails is logged and the next one runs. While the run lasts, top's busiest processes are logged every
 # 2 s (top.log), so a slow round can be read against what else ran, and how long each SGLang scheduler waited for a
 # CPU (sched.log; `wait` summarizes it in sched-wait.txt), and each CPU's time stolen by the host over the run

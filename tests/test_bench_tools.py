@@ -388,6 +388,13 @@ def test_aiperf_goals_give_the_median_of_each_round_s_own_ratio_beside_the_ratio
     assert "  c=16   output tok/s ≥ 0.97×: 0.90× NOT met (1.00×)" in lines
     assert "  c=16   ITL p99 ≤ 1.05×: 1.00× met (1.00×)" in lines
 
+    # Rounds run together also carry each system's rate over only the time all streamed.
+    shared_rounds = {"sglang": [{**row(1000), "tok/s shared": 1000.0}, {**row(800), "tok/s shared": 900.0}],
+                     "conveyor": [{**row(900), "tok/s shared": 990.0}, {**row(800), "tok/s shared": 900.0}]}
+    _script("bench_aiperf").print_goals({64: shared_rounds})
+    lines = capsys.readouterr().out.splitlines()
+    assert "  c=64   output tok/s ≥ 0.97×: 0.94× NOT met (0.95×; while all streamed 0.99×)" in lines
+
 
 def test_aiperf_together_from_runs_many_streams_at_once_and_one_stream_in_turn(tmp_path: Path,
                                                                               fake_aiperf: None) -> None:
