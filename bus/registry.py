@@ -134,7 +134,9 @@ class RegistryView:
     stale together share one read.
 
     Before, a request that found the view older than a second read the registry on its own path, one round trip per
-    card: 2 ms of the first token after a quiet second (docs/performance.md, twenty-fifth stop).
+    card: 2 ms of the first token after a quiet second (docs/performance.md, twenty-fifth stop). A holder that calls
+    `keep_fresh` also reads it on a timer, so that the first request after a quiet spell longer than `stale_limit_s`
+    (every request of a client that asks every few seconds) does not wait for a read either.
     """
 
     def __init__(self, read: Callable[[], Awaitable[list[WorkerCard]]], *, refresh_after_s: float,
@@ -157,6 +159,25 @@ class RegistryView:
             # Shielded: a request cancelled while it waits does not cancel the read the others wait for.
             await asyncio.shield(reading)
         return self._cards
+
+    async def refresh(self) -> list[WorkerCard]:
+        """Read the registry now, or join the read under way; the cards it read."""
+        # Shielded: a holder's timer task stopped mid-read does not cancel a read that requests wait for.
+        await asyncio.shield(self._reading if self._reading is not None else self._start_read())
+        return self._cards
+
+    async def keep_fresh(self, interval_s: float,
+                         on_cards: Callable[[list[WorkerCard]], None] | None = None) -> None:
+        """Read the registry every `interval_s` until cancelled (a holder's background task); `on_cards` gets each
+        read's cards. A failed read is logged and tried again at the next tick."""
+        while True:
+            try:
+                cards = await self.refresh()
+                if on_cards is not None:
+                    on_cards(cards)
+            except Exception as error:  # the registry is recovering; the next tick will do
+                log.debug("registry.refresh_failed", error=repr(error))
+            await asyncio.sleep(interval_s)
 
     def invalidate(self) -> None:
         """The next request reads the registry first (a change it must see: an adapter just loaded)."""

@@ -8,7 +8,8 @@ import time
 
 from nats.js.api import KeyValueConfig
 
-from bus.registry import Registration, live_workers, ready_models
+from bus.lifecycle import stop_tasks
+from bus.registry import Registration, RegistryView, live_workers, ready_models
 from schemas.codec import WIRE_VERSION, encode
 from schemas.registry import ServingMode, Stage, WorkerCard
 from tests.conftest import Bus
@@ -97,3 +98,36 @@ def test_a_processor_serving_several_models_counts_for_each() -> None:
     assert ready_models([processor, card("d", Stage.DECODE), embed]) == {"m": ServingMode.AGGREGATED,
                                                                          "minilm": ServingMode.EMBEDDING}
     assert ready_models([card("p", Stage.PROCESSOR), embed]) == {}
+
+
+async def test_a_view_kept_fresh_serves_a_request_after_a_quiet_spell_without_waiting_for_a_read(bus: Bus) -> None:
+    registration = Registration(bus.registry, card("decode-1", Stage.DECODE), bus.settings.registry_ttl_s)
+    await registration.open()
+    reads: list[float] = []
+    slow_read_s = 0.5
+
+    async def read() -> list[WorkerCard]:
+        reads.append(time.monotonic())
+        cards = await live_workers(bus.registry)
+        await asyncio.sleep(slow_read_s)  # a registry slow to answer: a request that waits for it shows it
+        return cards
+
+    stale_limit_s = 1.0
+    idle = RegistryView(read, refresh_after_s=0.1, stale_limit_s=stale_limit_s)
+    kept = RegistryView(read, refresh_after_s=0.1, stale_limit_s=stale_limit_s)
+    await idle.refresh()
+    keeper = asyncio.create_task(kept.keep_fresh(stale_limit_s / 2))
+    try:
+        await asyncio.sleep(stale_limit_s + 0.7)  # quiet for longer than the stale limit
+        started_s = time.monotonic()
+        assert [c.worker_id for c in await kept.cards()] == ["decode-1"]
+        kept_wait_s = time.monotonic() - started_s
+        started_s = time.monotonic()
+        assert [c.worker_id for c in await idle.cards()] == ["decode-1"]
+        idle_wait_s = time.monotonic() - started_s
+    finally:
+        await stop_tasks([keeper])
+        await registration.close()
+    assert kept_wait_s < 0.05  # the kept view answered from its last timed read
+    assert idle_wait_s >= slow_read_s * 0.9  # the view read only on demand waited for a read
+    assert len(reads) >= 4  # one for the idle view, and the kept view's timed reads

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from bus.client import PipelineClient
 from bus.errors import RejectRequest, RemoteError, ReplyGap, ReplyStreamBroken
-from bus.lifecycle import note_work
+from bus.lifecycle import note_work, stop_tasks
 from bus.registry import RegistryView, ready_models, served_adapters
 from bus.replies import ReplyStream
 from bus.tracing import TraceContext
@@ -433,6 +433,10 @@ class Gateway:
         await response.write_eof()
         return response
 
+    async def keep_models_fresh(self) -> None:
+        """Read the registry every half TTL while serving (bus/registry.py: RegistryView.keep_fresh)."""
+        await self._view.keep_fresh(self._client.registry_ttl_s / 2)
+
     async def _ready_models(self, max_age_s: float | None = None) -> dict[str, Any]:
         """Ready models, from the registry view (bus/registry.py: RegistryView); with `max_age_s`, one read at most
         that long ago."""
@@ -638,7 +642,10 @@ async def serving(client: PipelineClient, options: GatewayOptions) -> AsyncItera
     await site.start()
     server = site._server
     assert server is not None and server.sockets
+    # The models' view read on a timer: a request after a quiet spell does not wait for a registry read.
+    refresher = asyncio.create_task(gateway.keep_models_fresh(), name="registry-refresh")
     try:
         yield int(server.sockets[0].getsockname()[1])
     finally:
+        await stop_tasks([refresher])
         await runner.cleanup()
