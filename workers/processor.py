@@ -155,8 +155,7 @@ class ProcessorStage:
         await self._router.start()
         self._view = RegistryView(context.list_workers, refresh_after_s=_REGISTRY_REFRESH_S,
                                   stale_limit_s=context.settings.registry_ttl_s, on_read=self._remember_ready)
-        self._watcher = asyncio.create_task(
-            self._view.keep_fresh(context.settings.registry_ttl_s / 2, on_cards=self._forget_gone))
+        self._watcher = asyncio.create_task(self._watch_registry(context.settings.registry_ttl_s / 2))
 
     async def stop(self) -> None:
         if self._watcher is not None:
@@ -164,12 +163,22 @@ class ProcessorStage:
         if self._router is not None:
             await self._router.stop()
 
-    def _forget_gone(self, cards: list[WorkerCard]) -> None:
-        """On the view's timed reads (every half registry TTL, also between requests, so a replica that has routed
-        nothing yet still knows which stages were ready just before a registry outage; `_remember_ready` sees every
-        read): gone workers leave the router's index, and their pinned tasks go back to the shared queue."""
-        if self._router is not None:
-            self._router.forget_gone(cards)
+    async def _watch_registry(self, interval_s: float) -> None:
+        """Keep the view of ready stages fresh between requests, so a replica that has routed nothing yet
+        still knows which stages were ready just before a registry outage."""
+        assert self._context is not None
+        while True:
+            try:
+                # Only remembered, not cached for routing: a request must not be routed on a view
+                # older than its own arrival needs (a worker that registered since).
+                cards = await self._context.list_workers()
+                self._remember_ready(cards)
+                if self._router is not None:
+                    # Gone workers leave the index, and their pinned tasks go back to the shared queue.
+                    self._router.forget_gone(cards)
+            except Exception as error:  # the registry is recovering; the next look will do
+                log.debug("processor.registry_unreadable", error=repr(error))
+            await asyncio.sleep(interval_s)
 
     async def canary(self) -> None:
         for model in self._models.values():
