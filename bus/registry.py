@@ -134,9 +134,9 @@ class RegistryView:
     stale together share one read.
 
     Before, a request that found the view older than a second read the registry on its own path, one round trip per
-    card: 2 ms of the first token after a quiet second (docs/performance.md, twenty-fifth stop). A holder that calls
-    `keep_fresh` also reads it on a timer, so that the first request after a quiet spell longer than `stale_limit_s`
-    (every request of a client that asks every few seconds) does not wait for a read either.
+    card: 2 ms of the first token after a quiet second (docs/performance.md, twenty-fifth stop). A holder whose requests
+    need not see a worker that registered in the last few seconds (the gateway) also runs `keep_fresh`, so that a
+    request after a quiet spell longer than `stale_limit_s` does not wait for a read either.
     """
 
     def __init__(self, read: Callable[[], Awaitable[list[WorkerCard]]], *, refresh_after_s: float,
@@ -154,7 +154,7 @@ class RegistryView:
         age_s = time.monotonic() - self._read_at_s
         if age_s <= (self._refresh_after_s if max_age_s is None else max_age_s):
             return self._cards
-        reading = self._reading if self._reading is not None else self._start_read()
+        reading = self._read_under_way()
         if max_age_s is not None or age_s > self._stale_limit_s:
             # Shielded: a request cancelled while it waits does not cancel the read the others wait for.
             await asyncio.shield(reading)
@@ -163,18 +163,15 @@ class RegistryView:
     async def refresh(self) -> list[WorkerCard]:
         """Read the registry now, or join the read under way; the cards it read."""
         # Shielded: a holder's timer task stopped mid-read does not cancel a read that requests wait for.
-        await asyncio.shield(self._reading if self._reading is not None else self._start_read())
+        await asyncio.shield(self._read_under_way())
         return self._cards
 
-    async def keep_fresh(self, interval_s: float,
-                         on_cards: Callable[[list[WorkerCard]], None] | None = None) -> None:
-        """Read the registry every `interval_s` until cancelled (a holder's background task); `on_cards` gets each
-        read's cards. A failed read is logged and tried again at the next tick."""
+    async def keep_fresh(self, interval_s: float) -> None:
+        """Read the registry every `interval_s` until cancelled (a holder's background task). A failed read is logged
+        and tried again at the next tick."""
         while True:
             try:
-                cards = await self.refresh()
-                if on_cards is not None:
-                    on_cards(cards)
+                await self.refresh()
             except Exception as error:  # the registry is recovering; the next tick will do
                 log.debug("registry.refresh_failed", error=repr(error))
             await asyncio.sleep(interval_s)
@@ -183,9 +180,11 @@ class RegistryView:
         """The next request reads the registry first (a change it must see: an adapter just loaded)."""
         self._read_at_s = float("-inf")
 
-    def _start_read(self) -> asyncio.Future[None]:
-        self._reading = asyncio.ensure_future(self._read_now())
-        self._reading.add_done_callback(_note_failed_read)
+    def _read_under_way(self) -> asyncio.Future[None]:
+        """The read under way, or a new one: requests that find the view stale together share one read."""
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(self._read_now())
+            self._reading.add_done_callback(_note_failed_read)
         return self._reading
 
     async def _read_now(self) -> None:

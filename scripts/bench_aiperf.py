@@ -120,6 +120,16 @@ def finish_aiperf(args: argparse.Namespace, process: subprocess.Popen, url: str,
     return {name: float(summary[metric][statistic]) for name, (metric, statistic) in MEASURES.items()}
 
 
+def profiling_records(records_path: Path) -> list[dict[str, Any]]:
+    """aiperf's per-request records of a run's profiling phase that succeeded, each with its `metadata`."""
+    records = []
+    for record in map(json.loads, records_path.open()):
+        record.setdefault("metadata", {})
+        if not record.get("error") and record["metadata"].get("benchmark_phase", "profiling") == "profiling":
+            records.append(record)
+    return records
+
+
 def time_around_load(records_path: Path, launched_ns: int, exited_ns: int) -> str:
     """Where a run's time outside its load went, from its requests' wall-clock stamps: from launch to the first
     request, and from the last response to exit (empty where there are no records). Runs this short spend most of
@@ -127,9 +137,7 @@ def time_around_load(records_path: Path, launched_ns: int, exited_ns: int) -> st
     if not records_path.exists():
         return ""
     spans = [(int(record["metadata"]["request_start_ns"]), int(record["metadata"]["request_end_ns"]))
-             for record in map(json.loads, records_path.open())
-             if "request_end_ns" in record.get("metadata", {})
-             and record["metadata"].get("benchmark_phase", "profiling") == "profiling"]
+             for record in profiling_records(records_path) if "request_end_ns" in record["metadata"]]
     if not spans:
         return ""
     first_start_ns, last_end_ns = min(start for start, _ in spans), max(end for _, end in spans)
@@ -143,13 +151,9 @@ def slowest_first_tokens(records_path: Path, tail_share: float = 0.01) -> str:
     places is the opening burst's; one spread over the run is not."""
     if not records_path.exists():
         return f"no per-request records ({records_path.name} missing)"
-    started: list[tuple[int, float]] = []  # (start in ns, TTFT in ms) of each request that succeeded
-    for line in records_path.open():
-        record = json.loads(line)
-        metadata, ttft = record.get("metadata", {}), record.get("metrics", {}).get("time_to_first_token")
-        if ttft is None or record.get("error") or metadata.get("benchmark_phase", "profiling") != "profiling":
-            continue
-        started.append((int(metadata["request_start_ns"]), float(ttft["value"])))
+    started = [(int(record["metadata"]["request_start_ns"]), float(ttft["value"]))  # (start in ns, TTFT in ms)
+               for record in profiling_records(records_path)
+               if (ttft := record.get("metrics", {}).get("time_to_first_token")) is not None]
     if not started:
         return "no successful requests in the records"
     started.sort()
@@ -188,10 +192,9 @@ def run_together(args: argparse.Namespace, urls: dict[str, str], concurrency: in
 def generation_spans(records_path: Path) -> list[tuple[int, int, int]]:
     """(first token ns, end ns, output tokens) of each request of a run's profiling phase that succeeded."""
     spans = []
-    for record in map(json.loads, records_path.open()):
-        metadata, metrics = record.get("metadata", {}), record.get("metrics", {})
-        if record.get("error") or metadata.get("benchmark_phase", "profiling") != "profiling" \
-                or "time_to_first_token" not in metrics or "output_sequence_length" not in metrics:
+    for record in profiling_records(records_path):
+        metadata, metrics = record["metadata"], record.get("metrics", {})
+        if "time_to_first_token" not in metrics or "output_sequence_length" not in metrics:
             continue
         first_ns = int(metadata["request_start_ns"]) + int(float(metrics["time_to_first_token"]["value"]) * 1e6)
         spans.append((first_ns, int(metadata["request_end_ns"]), int(metrics["output_sequence_length"]["value"])))
@@ -217,16 +220,22 @@ def add_shared_window_rates(rows: dict[str, dict[str, float]], records: dict[str
     spans = {name: generation_spans(path) for name, path in records.items()}
     if not all(spans.values()):
         return
-    start_ns = max(min(first for first, _, _ in runs) for runs in spans.values())
+    began_ns = {name: min(first for first, _, _ in runs) for name, runs in spans.items()}
+    start_ns = max(began_ns.values())
     end_ns = min(max(last for _, last, _ in runs) for runs in spans.values())
     if end_ns <= start_ns:
         return
-    first_ns = min(min(first for first, _, _ in runs) for runs in spans.values())
-    offsets = ", ".join(f"{name} +{(min(first for first, _, _ in runs) - first_ns) / 1e9:.1f} s"
-                        for name, runs in spans.items())
+    offsets = ", ".join(f"{name} +{(began - min(began_ns.values())) / 1e9:.1f} s" for name, began in began_ns.items())
     say(f"  streaming began: {offsets}; all streamed together for {(end_ns - start_ns) / 1e9:.1f} s")
     for name, runs in spans.items():
         rows[name]["tok/s shared"] = tokens_in_window(runs, start_ns, end_ns) / ((end_ns - start_ns) / 1e9)
+
+
+def round_ratios(mine: list[dict[str, float]], theirs: list[dict[str, float]], metric: str) -> list[float]:
+    """`metric`'s ratio in each round, mine over theirs; empty where a round lacks it (one not run together)."""
+    if not all(metric in row for row in mine + theirs):
+        return []
+    return [mine_row[metric] / max(their_row[metric], 1e-9) for mine_row, their_row in zip(mine, theirs)]
 
 
 def print_level(concurrency: int, rounds: dict[str, list[dict[str, float]]]) -> None:
@@ -244,13 +253,11 @@ def print_level(concurrency: int, rounds: dict[str, list[dict[str, float]]]) -> 
             cells.append(f"{value:>9.1f}{ratio:>7}")
         print(f"{name:<10} | " + " | ".join(cells))
     def tok_ratios(name: str, other: str) -> list[float]:
-        return [mine["tok/s"] / theirs["tok/s"] for mine, theirs in zip(rounds[name], rounds[other])]
+        return round_ratios(rounds[name], rounds[other], "tok/s")
 
     for name in names[1:]:
         print(f"{name:<10} | tok/s ratio by round: {', '.join(f'{r:.2f}×' for r in tok_ratios(name, reference))}")
-        if all("tok/s shared" in row for row in rounds[name] + rounds[reference]):
-            shared = [mine["tok/s shared"] / max(theirs["tok/s shared"], 1e-9)
-                      for mine, theirs in zip(rounds[name], rounds[reference])]
+        if shared := round_ratios(rounds[name], rounds[reference], "tok/s shared"):
             print(f"{name:<10} | tok/s ratio by round, only while all streamed: "
                   f"{', '.join(f'{r:.2f}×' for r in shared)} (median {statistics.median(shared):.2f}×)")
     # Two settings of our own measured beside the server (stack a and stack b): their ratio to each other, round by
@@ -279,10 +286,8 @@ def print_goals(results: dict[int, dict[str, list[dict[str, float]]]]) -> None:
         print(f"\nissue 11's goals, {name} against {reference} (medians over rounds; in brackets the median of the "
               "rounds' own ratios, and of those over only the time all streamed where they ran together)")
         for concurrency, rounds in results.items():
-            by_round = {metric: statistics.median(mine[metric] / max(theirs[metric], 1e-9)
-                                                  for mine, theirs in zip(rounds[name], rounds[reference]))
-                        for metric in ("tok/s", "ITL p99", "tok/s shared")
-                        if all(metric in row for row in rounds[name] + rounds[reference])}
+            by_round = {metric: statistics.median(ratios) for metric in ("tok/s", "ITL p99", "tok/s shared")
+                        if (ratios := round_ratios(rounds[name], rounds[reference], metric))}
             for line in goal_lines(concurrency, median_row(rounds[name]), median_row(rounds[reference]), by_round):
                 print(f"  c={concurrency:<4} {line}")
     sys.stdout.flush()
