@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 import structlog
 from nats.js.errors import KeyNotFoundError
-from nats.js.kv import KeyValue
+from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 from pydantic import ValidationError
 
 from bus.lifecycle import sleep_unless, stop_tasks
@@ -121,7 +122,58 @@ async def live_workers(bucket: KeyValue) -> list[WorkerCard]:
                 cards.append(decode(entry.value, WorkerCard))
             except (ValueError, ValidationError) as error:
                 log.warning("registry.bad_card", key=key, error=str(error))
-    return sorted(cards, key=lambda card: (card.model, card.stage.value, card.worker_id))
+    return sorted(cards, key=_card_order)
+
+
+def _card_order(card: WorkerCard) -> tuple[str, str, str]:
+    return card.model, card.stage.value, card.worker_id
+
+
+@dataclass(frozen=True)
+class CardPut:
+    """A worker's card written to the registry (registered, or its heartbeat)."""
+
+    card: WorkerCard
+
+
+@dataclass(frozen=True)
+class CardRemoved:
+    """A worker's card deleted (the worker stopped) or expired (a server that marks expiry)."""
+
+    worker_id: str
+
+
+RegistryChange = CardPut | CardRemoved
+
+
+async def registry_changes(bucket: KeyValue, quiet_limit_s: float) -> AsyncIterator[RegistryChange]:
+    """The registry's cards as they are now, then each change as it happens, from a watch on the bucket.
+
+    Ends with `TimeoutError` when nothing came for `quiet_limit_s`: every live worker writes its card every third of
+    the TTL, so a watch that stays quiet longer has lost the server (nats-py's ordered consumer can go silent across a
+    restart) and the caller should watch again.
+    """
+    watcher = await bucket.watchall()
+    try:
+        while True:
+            try:
+                entry = await watcher.updates(timeout=quiet_limit_s)
+            except Exception as error:  # nats-py raises its own TimeoutError
+                raise TimeoutError(f"no registry change for {quiet_limit_s} s") from error
+            if entry is None:  # the end of the cards as they were when the watch began
+                continue
+            if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
+                yield CardRemoved(entry.key)
+                continue
+            try:
+                yield CardPut(decode(entry.value, WorkerCard))
+            except (ValueError, ValidationError) as error:
+                log.warning("registry.bad_card", key=entry.key, error=str(error))
+    finally:
+        try:
+            await watcher.stop()
+        except Exception as error:  # the connection is gone with the watch: nothing left to stop
+            log.debug("registry.watch_stop_failed", error=repr(error))
 
 
 class RegistryView:
@@ -137,6 +189,11 @@ class RegistryView:
     card: 2 ms of the first token after a quiet second (docs/performance.md, twenty-fifth stop). A holder whose requests
     need not see a worker that registered in the last few seconds (the gateway) also runs `keep_fresh`, so that a
     request after a quiet spell longer than `stale_limit_s` does not wait for a read either.
+
+    A holder that routes on the cards (the processor) runs `follow` instead: a watch on the bucket keeps the cards as
+    they change, a new worker's card within milliseconds of its registration, and a request uses them without a read
+    whenever the watch is trusted (see `WatchedCards`). A card the watch has not seen written for a TTL is dropped, as
+    the bucket expires it.
     """
 
     def __init__(self, read: Callable[[], Awaitable[list[WorkerCard]]], *, refresh_after_s: float,
@@ -148,9 +205,14 @@ class RegistryView:
         self._cards: list[WorkerCard] = []
         self._read_at_s = float("-inf")
         self._reading: asyncio.Future[None] | None = None
+        self._watched = WatchedCards()
 
     async def cards(self, max_age_s: float | None = None) -> list[WorkerCard]:
         """The cards; with `max_age_s`, as read at most that long ago (waiting for a read if need be)."""
+        if max_age_s is None:
+            followed = self._watched.cards(time.monotonic(), self._on_read)
+            if followed is not None:
+                return followed
         age_s = time.monotonic() - self._read_at_s
         if age_s <= (self._refresh_after_s if max_age_s is None else max_age_s):
             return self._cards
@@ -176,9 +238,25 @@ class RegistryView:
                 log.debug("registry.refresh_failed", error=repr(error))
             await asyncio.sleep(interval_s)
 
+    async def follow(self, changes: Callable[[], AsyncIterator[RegistryChange]], ttl_s: float,
+                     retry_s: float = 1.0) -> None:
+        """Keep the cards from `changes` (a watch: `registry_changes`) until cancelled; a watch that fails or falls
+        quiet is begun again after `retry_s`, and requests read the registry meanwhile."""
+        while True:
+            self._watched.begin(time.monotonic(), ttl_s)
+            try:
+                async for change in changes():
+                    self._watched.apply(change, time.monotonic())
+            except Exception as error:  # the server restarting, or the watch gone quiet: watch again
+                log.debug("registry.watch_ended", error=repr(error))
+            finally:
+                self._watched.end()
+            await asyncio.sleep(retry_s)
+
     def invalidate(self) -> None:
         """The next request reads the registry first (a change it must see: an adapter just loaded)."""
         self._read_at_s = float("-inf")
+        self._watched.distrust_until_read()
 
     def _read_under_way(self) -> asyncio.Future[None]:
         """The read under way, or a new one: requests that find the view stale together share one read."""
@@ -191,10 +269,64 @@ class RegistryView:
         try:
             cards = await self._read()
             self._cards, self._read_at_s = cards, time.monotonic()
+            self._watched.read_done()
             if self._on_read is not None:
                 self._on_read(cards)
         finally:
             self._reading = None
+
+
+class WatchedCards:
+    """The cards a watch on the registry has seen, with when each was last written.
+
+    Trusted only while the watch is live, has run for half a TTL (by then every live worker has written its card at
+    least once, whatever the watch's first snapshot missed) and has heard something in the last half TTL (each worker
+    writes every third of it, the holder's own card included); otherwise `cards` is None and the view reads.
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[WorkerCard, float]] = {}
+        self._ttl_s = 0.0
+        self._since_s: float | None = None
+        self._heard_at_s = float("-inf")
+        self._sorted: list[WorkerCard] | None = None
+        self._expires_at_s = float("inf")
+        self._distrusted = False
+
+    def begin(self, now_s: float, ttl_s: float) -> None:
+        self._seen.clear()
+        self._sorted, self._ttl_s, self._since_s = None, ttl_s, now_s
+
+    def end(self) -> None:
+        self._since_s = None
+
+    def apply(self, change: RegistryChange, now_s: float) -> None:
+        if isinstance(change, CardPut):
+            self._seen[change.card.worker_id] = (change.card, now_s)
+        else:
+            self._seen.pop(change.worker_id, None)
+        self._heard_at_s, self._sorted = now_s, None
+
+    def distrust_until_read(self) -> None:
+        self._distrusted = True
+
+    def read_done(self) -> None:
+        self._distrusted = False
+
+    def cards(self, now_s: float, on_change: Callable[[list[WorkerCard]], None] | None) -> list[WorkerCard] | None:
+        """The live cards, sorted as `live_workers` sorts them; None when the watch is not to be trusted now."""
+        half_ttl_s = self._ttl_s / 2
+        if (self._since_s is None or self._distrusted or now_s - self._since_s < half_ttl_s
+                or now_s - self._heard_at_s > half_ttl_s):
+            return None
+        if self._sorted is None or now_s >= self._expires_at_s:
+            # A card not written for a TTL is gone from the bucket too (its worker stopped without deleting it).
+            self._seen = {key: seen for key, seen in self._seen.items() if now_s - seen[1] < self._ttl_s}
+            self._expires_at_s = min((seen_s + self._ttl_s for _, seen_s in self._seen.values()), default=float("inf"))
+            self._sorted = sorted((card for card, _ in self._seen.values()), key=_card_order)
+            if on_change is not None:
+                on_change(self._sorted)
+        return self._sorted
 
 
 def _note_failed_read(reading: asyncio.Future[None]) -> None:

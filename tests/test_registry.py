@@ -9,7 +9,7 @@ import time
 from nats.js.api import KeyValueConfig
 
 from bus.lifecycle import stop_tasks
-from bus.registry import Registration, RegistryView, live_workers, ready_models
+from bus.registry import Registration, RegistryView, live_workers, ready_models, registry_changes
 from schemas.codec import WIRE_VERSION, encode
 from schemas.registry import ServingMode, Stage, WorkerCard
 from tests.conftest import Bus
@@ -131,3 +131,79 @@ async def test_a_view_kept_fresh_serves_a_request_after_a_quiet_spell_without_wa
     assert kept_wait_s < 0.05  # the kept view answered from its last timed read
     assert idle_wait_s >= slow_read_s * 0.9  # the view read only on demand waited for a read
     assert len(reads) >= 4  # one for the idle view, and the kept view's timed reads
+
+
+async def test_a_followed_view_sees_a_new_worker_at_once_and_never_reads(bus: Bus) -> None:
+    ttl_s = bus.settings.registry_ttl_s
+    first = Registration(bus.registry, card("decode-1", Stage.DECODE), ttl_s)
+    await first.open()
+    reads: list[float] = []
+
+    async def read() -> list[WorkerCard]:
+        reads.append(time.monotonic())
+        return await live_workers(bus.registry)
+
+    view = RegistryView(read, refresh_after_s=0.1, stale_limit_s=ttl_s)
+    follower = asyncio.create_task(view.follow(lambda: registry_changes(bus.registry, quiet_limit_s=ttl_s / 2), ttl_s))
+    second = Registration(bus.registry, card("prefill-1", Stage.PREFILL), ttl_s)
+    try:
+        await asyncio.sleep(ttl_s / 2 + 0.3)  # the watch is trusted once every live worker has written since it began
+        reads.clear()
+        assert [c.worker_id for c in await view.cards()] == ["decode-1"]
+        await second.open()
+        await asyncio.sleep(0.2)
+        assert [c.worker_id for c in await view.cards()] == ["decode-1", "prefill-1"]
+        await first.close()
+        await asyncio.sleep(0.2)
+        assert [c.worker_id for c in await view.cards()] == ["prefill-1"]
+    finally:
+        await stop_tasks([follower])
+        await second.close()
+    assert reads == []  # every answer came from the watch
+
+
+async def test_a_followed_view_drops_a_card_not_written_for_a_ttl(bus: Bus) -> None:
+    ttl_s = bus.settings.registry_ttl_s
+    alive = Registration(bus.registry, card("alive-1", Stage.PROCESSOR), ttl_s)
+    await alive.open()
+    view = RegistryView(lambda: live_workers(bus.registry), refresh_after_s=0.1, stale_limit_s=ttl_s)
+    follower = asyncio.create_task(view.follow(lambda: registry_changes(bus.registry, quiet_limit_s=ttl_s / 2), ttl_s))
+    try:
+        await asyncio.sleep(0.2)
+        await bus.registry.put("stale-1", encode(card("stale-1", Stage.DECODE)))  # written once, never again
+        await asyncio.sleep(ttl_s / 2)
+        assert [c.worker_id for c in await view.cards()] == ["stale-1", "alive-1"]  # sorted by stage
+        await asyncio.sleep(ttl_s / 2 + 0.5)
+        assert [c.worker_id for c in await view.cards()] == ["alive-1"]
+    finally:
+        await stop_tasks([follower])
+        await alive.close()
+
+
+async def test_a_followed_view_reads_the_registry_while_its_watch_is_quiet(bus: Bus) -> None:
+    ttl_s = bus.settings.registry_ttl_s
+    reads: list[float] = []
+
+    async def read() -> list[WorkerCard]:
+        reads.append(time.monotonic())
+        return await live_workers(bus.registry)
+
+    view = RegistryView(read, refresh_after_s=0.1, stale_limit_s=ttl_s)
+    follower = asyncio.create_task(view.follow(lambda: registry_changes(bus.registry, quiet_limit_s=ttl_s / 2), ttl_s))
+    registration = Registration(bus.registry, card("decode-1", Stage.DECODE), ttl_s)
+    try:
+        await asyncio.sleep(ttl_s / 2 + 0.3)
+        # Nothing written since the watch began: it may have lost the server, so the view reads instead.
+        assert await view.cards() == [] and len(reads) == 1
+        await registration.open()
+        # The quiet watch was begun again (after its quiet limit and a second's pause): trusted half a TTL later.
+        await asyncio.sleep(1.0 + ttl_s / 2 + 0.5)
+        reads.clear()
+        assert [c.worker_id for c in await view.cards()] == ["decode-1"]
+        assert reads == []  # heard from: the watch answers
+        view.invalidate()
+        assert [c.worker_id for c in await view.cards()] == ["decode-1"]
+        assert len(reads) == 1  # invalidated: read first, whatever the watch says
+    finally:
+        await stop_tasks([follower])
+        await registration.close()

@@ -139,6 +139,7 @@ class ProcessorStage:
         self._missing_since_s: dict[tuple[str, Stage], float] = {}
         self._ready_grace_s = 30.0
         self._watcher: asyncio.Task[None] | None = None
+        self._follower: asyncio.Task[None] | None = None
 
     @property
     def engine(self) -> None:
@@ -156,10 +157,14 @@ class ProcessorStage:
         self._view = RegistryView(context.list_workers, refresh_after_s=_REGISTRY_REFRESH_S,
                                   stale_limit_s=context.settings.registry_ttl_s, on_read=self._remember_ready)
         self._watcher = asyncio.create_task(self._watch_registry(context.settings.registry_ttl_s / 2))
+        if context.registry_changes is not None:
+            # Routing on the watched cards: a request after a quiet spell does not wait for a registry read, and a
+            # worker that just registered is seen within milliseconds (a view kept by a timer hid it for seconds).
+            self._follower = asyncio.create_task(
+                self._view.follow(context.registry_changes, context.settings.registry_ttl_s))
 
     async def stop(self) -> None:
-        if self._watcher is not None:
-            await stop_tasks([self._watcher])
+        await stop_tasks([task for task in (self._watcher, self._follower) if task is not None])
         if self._router is not None:
             await self._router.stop()
 

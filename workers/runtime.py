@@ -22,7 +22,7 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -41,7 +41,7 @@ from bus.lifecycle import event_loop_lag_observed, freeze_startup_objects, obser
 from bus.metrics import (CACHE_HIT_RATE, CANARIES, ENGINE_RUNNING, ENGINE_WAITING, KV_EVENT_BATCHES, KV_USAGE,
                          QUEUE_TASKS, WORKER_READY)
 from bus.publish import TaskPublisher
-from bus.registry import Registration, live_workers
+from bus.registry import Registration, RegistryChange, live_workers, registry_changes
 from bus.sessions import SessionPlaces, ensure_session_bucket
 from bus.router import Router, RouterOptions
 from bus.settings import BusSettings, NatsSettings
@@ -122,6 +122,8 @@ class StageContext:
     adapters: AdapterSync | None = None
     # Where each open session is (the processor's; None elsewhere).
     sessions: SessionPlaces | None = None
+    # The registry's cards now and then each change, from a watch (bus/registry.py: registry_changes); None: none.
+    registry_changes: Callable[[], AsyncIterator[RegistryChange]] | None = None
 
 
 class PipelineStage(Protocol):
@@ -232,6 +234,7 @@ class WorkerRuntime:
                 names=self._names, settings=self._bus,
                 publisher=TaskPublisher(js, self._names, min(self._bus.max_message_bytes, nc.max_payload)),
                 list_workers=lambda: live_workers(bucket), worker_id=self.options.worker_id,
+                registry_changes=lambda: registry_changes(bucket, quiet_limit_s=self._bus.registry_ttl_s / 2),
                 make_router=lambda options: Router(nc, js, self._names, self._bus, options),
                 is_cancelled=cancels.is_cancelled,
                 adapters=self._adapters,
