@@ -133,11 +133,10 @@ async def test_a_view_kept_fresh_serves_a_request_after_a_quiet_spell_without_wa
     assert len(reads) >= 4  # one for the idle view, and the kept view's timed reads
 
 
-async def test_a_followed_view_sees_a_new_worker_at_once_and_never_reads(bus: Bus) -> None:
+def followed_view(bus: Bus, reads: list[float]) -> tuple[RegistryView, asyncio.Task[None]]:
+    """A view of the test bucket following a watch on it, each of its registry reads noted in `reads`; and the task
+    that follows."""
     ttl_s = bus.settings.registry_ttl_s
-    first = Registration(bus.registry, card("decode-1", Stage.DECODE), ttl_s)
-    await first.open()
-    reads: list[float] = []
 
     async def read() -> list[WorkerCard]:
         reads.append(time.monotonic())
@@ -145,6 +144,15 @@ async def test_a_followed_view_sees_a_new_worker_at_once_and_never_reads(bus: Bu
 
     view = RegistryView(read, refresh_after_s=0.1, stale_limit_s=ttl_s)
     follower = asyncio.create_task(view.follow(lambda: registry_changes(bus.registry, quiet_limit_s=ttl_s / 2), ttl_s))
+    return view, follower
+
+
+async def test_a_followed_view_sees_a_new_worker_at_once_and_never_reads(bus: Bus) -> None:
+    ttl_s = bus.settings.registry_ttl_s
+    first = Registration(bus.registry, card("decode-1", Stage.DECODE), ttl_s)
+    await first.open()
+    reads: list[float] = []
+    view, follower = followed_view(bus, reads)
     second = Registration(bus.registry, card("prefill-1", Stage.PREFILL), ttl_s)
     try:
         await asyncio.sleep(ttl_s / 2 + 0.3)  # the watch is trusted once every live worker has written since it began
@@ -166,8 +174,7 @@ async def test_a_followed_view_drops_a_card_not_written_for_a_ttl(bus: Bus) -> N
     ttl_s = bus.settings.registry_ttl_s
     alive = Registration(bus.registry, card("alive-1", Stage.PROCESSOR), ttl_s)
     await alive.open()
-    view = RegistryView(lambda: live_workers(bus.registry), refresh_after_s=0.1, stale_limit_s=ttl_s)
-    follower = asyncio.create_task(view.follow(lambda: registry_changes(bus.registry, quiet_limit_s=ttl_s / 2), ttl_s))
+    view, follower = followed_view(bus, [])
     try:
         await asyncio.sleep(0.2)
         await bus.registry.put("stale-1", encode(card("stale-1", Stage.DECODE)))  # written once, never again
@@ -183,13 +190,7 @@ async def test_a_followed_view_drops_a_card_not_written_for_a_ttl(bus: Bus) -> N
 async def test_a_followed_view_reads_the_registry_while_its_watch_is_quiet(bus: Bus) -> None:
     ttl_s = bus.settings.registry_ttl_s
     reads: list[float] = []
-
-    async def read() -> list[WorkerCard]:
-        reads.append(time.monotonic())
-        return await live_workers(bus.registry)
-
-    view = RegistryView(read, refresh_after_s=0.1, stale_limit_s=ttl_s)
-    follower = asyncio.create_task(view.follow(lambda: registry_changes(bus.registry, quiet_limit_s=ttl_s / 2), ttl_s))
+    view, follower = followed_view(bus, reads)
     registration = Registration(bus.registry, card("decode-1", Stage.DECODE), ttl_s)
     try:
         await asyncio.sleep(ttl_s / 2 + 0.3)
