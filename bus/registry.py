@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import structlog
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 from pydantic import ValidationError
@@ -158,7 +159,7 @@ async def registry_changes(bucket: KeyValue, quiet_limit_s: float) -> AsyncItera
         while True:
             try:
                 entry = await watcher.updates(timeout=quiet_limit_s)
-            except Exception as error:  # nats-py raises its own TimeoutError
+            except NatsTimeoutError as error:
                 raise TimeoutError(f"no registry change for {quiet_limit_s} s") from error
             if entry is None:  # the end of the cards as they were when the watch began
                 continue
@@ -295,7 +296,7 @@ class WatchedCards:
 
     def begin(self, now_s: float, ttl_s: float) -> None:
         self._seen.clear()
-        self._sorted, self._ttl_s, self._since_s = None, ttl_s, now_s
+        self._sorted, self._ttl_s, self._since_s, self._heard_at_s = None, ttl_s, now_s, float("-inf")
 
     def end(self) -> None:
         self._since_s = None
