@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -231,6 +231,35 @@ def add_shared_window_rates(rows: dict[str, dict[str, float]], records: dict[str
         rows[name]["tok/s shared"] = tokens_in_window(runs, start_ns, end_ns) / ((end_ns - start_ns) / 1e9)
 
 
+class Level(NamedTuple):
+    """A level of the run: its streams, and which time it runs in this run (`--concurrency 16 256 16` runs 16 twice,
+    to see what the levels between leave behind)."""
+
+    concurrency: int
+    pass_number: int = 1
+
+    def __str__(self) -> str:
+        return str(self.concurrency) if self.pass_number == 1 else f"{self.concurrency}#{self.pass_number}"
+
+    def seed(self, seed_base: int, round_index: int) -> int:
+        """Fresh prompts for each level, pass and round (rounds and passes are capped so that none collide)."""
+        return seed_base + 1000 * self.concurrency + 100 * (self.pass_number - 1) + round_index
+
+    def out_dir(self, out: Path) -> Path:
+        name = f"c{self.concurrency}" if self.pass_number == 1 else f"c{self.concurrency}-pass{self.pass_number}"
+        return out / name
+
+
+MAX_ROUNDS = 99
+MAX_PASSES = 10
+
+
+def levels_of(concurrencies: list[int]) -> list[Level]:
+    """Each level asked for, with how many times its streams ran before it in this run."""
+    return [Level(concurrency, concurrencies[: index + 1].count(concurrency))
+            for index, concurrency in enumerate(concurrencies)]
+
+
 def round_ratios(mine: list[dict[str, float]], theirs: list[dict[str, float]], metric: str) -> list[float]:
     """`metric`'s ratio in each round, mine over theirs; empty where a round lacks it (one not run together)."""
     if not all(metric in row for row in mine + theirs):
@@ -238,11 +267,11 @@ def round_ratios(mine: list[dict[str, float]], theirs: list[dict[str, float]], m
     return [mine_row[metric] / max(their_row[metric], 1e-9) for mine_row, their_row in zip(mine, theirs)]
 
 
-def print_level(concurrency: int, rounds: dict[str, list[dict[str, float]]]) -> None:
+def print_level(level: Level | int, rounds: dict[str, list[dict[str, float]]]) -> None:
     names = list(rounds)
     reference = names[0]
     medians = {name: median_row(rows) for name, rows in rounds.items()}
-    print(f"\nconcurrency {concurrency}, {len(rounds[reference])} rounds (medians over rounds; ratio = system ÷ "
+    print(f"\nconcurrency {level}, {len(rounds[reference])} rounds (medians over rounds; ratio = system ÷ "
           f"{reference})")
     print(f"{'system':<10} | " + " | ".join(f"{key:>16}" for key in MEASURES))
     for name in names:
@@ -277,7 +306,7 @@ def together_at(args: argparse.Namespace, concurrency: int) -> bool:
     return args.together or (args.together_from is not None and concurrency >= args.together_from)
 
 
-def print_goals(results: dict[int, dict[str, list[dict[str, float]]]]) -> None:
+def print_goals(results: dict[Level, dict[str, list[dict[str, float]]]]) -> None:
     """Issue 11's goals, read off this run's medians over rounds: each system against the first (the reference). Each
     ratio also as the median of its round-by-round ratios, for reading only: a round of systems run together shares
     the machine's speed, which that median keeps and the ratio of medians does not."""
@@ -285,11 +314,12 @@ def print_goals(results: dict[int, dict[str, list[dict[str, float]]]]) -> None:
     for name in others:
         print(f"\nissue 11's goals, {name} against {reference} (medians over rounds; in brackets the median of the "
               "rounds' own ratios, and of those over only the time all streamed where they ran together)")
-        for concurrency, rounds in results.items():
+        for level, rounds in results.items():
             by_round = {metric: statistics.median(ratios) for metric in ("tok/s", "ITL p99", "tok/s shared")
                         if (ratios := round_ratios(rounds[name], rounds[reference], metric))}
-            for line in goal_lines(concurrency, median_row(rounds[name]), median_row(rounds[reference]), by_round):
-                print(f"  c={concurrency:<4} {line}")
+            for line in goal_lines(level.concurrency, median_row(rounds[name]), median_row(rounds[reference]),
+                                   by_round):
+                print(f"  c={str(level):<4} {line}")
     sys.stdout.flush()
 
 
@@ -322,9 +352,12 @@ def main() -> None:
     parser.add_argument("--tokenizer", required=True, help="a local tokenizer folder (e.g. .gpu/smol)")
     parser.add_argument("--model-name", default=None,
                         help="the model name both servers answer to (default: the tokenizer folder's path)")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64],
+                        help="levels of streams, in order; a level named again runs again with fresh prompts and is "
+                             "reported on its own as N#2 (e.g. 16 256 16: what the heavier level leaves behind)")
     parser.add_argument("--rounds", type=int, default=4,
-                        help="rounds per level; even, so that each order runs as often as its reverse")
+                        help=f"rounds per level (at most {MAX_ROUNDS}); even, so that each order runs as often as its "
+                             "reverse")
     parser.add_argument("--requests-per-stream", type=int, default=4,
                         help="requests per concurrent stream in a run (default 4)")
     parser.add_argument("--requests-per-stream-at", type=parse_level_requests, action="append", default=[],
@@ -357,14 +390,19 @@ def main() -> None:
     if args.together and args.together_from is not None:
         parser.error("--together runs every level together; --together-from picks the levels: give one of them")
     args.model_name = args.model_name or args.tokenizer
+    levels = levels_of(args.concurrency)
+    if not 1 <= args.rounds <= MAX_ROUNDS:
+        parser.error(f"--rounds must be 1 to {MAX_ROUNDS} (each round's prompts have a seed of their own)")
+    if max(level.pass_number for level in levels) > MAX_PASSES:
+        parser.error(f"a level may run at most {MAX_PASSES} times in one run")
     if len({name for name, _ in args.targets}) != len(args.targets):
         parser.error("target names must differ")
     seed_base = args.seed_base if args.seed_base is not None else random.randrange(1_000_000)
     say(f"seed base {seed_base} (--seed-base {seed_base} repeats these prompts)")
 
     urls = dict(args.targets)
-    # Warm-up prompts get seeds below every level's (seed_base + 1000 * concurrency + round), so no counted run
-    # finds them cached.
+    # Warm-up prompts get seeds below every level's (Level.seed: seed_base + 1000 * concurrency + ...), so no counted
+    # run finds them cached.
     # A warm-up run is one request a stream: every batch size up to the level's is stepped through as the streams
     # ramp up and drain, which is what the engines compile for, and it costs a lease ~40 s less at 256 streams.
     warmup_args = argparse.Namespace(**{**vars(args), "requests_per_stream": 1, "requests_per_stream_at": {}})
@@ -378,27 +416,29 @@ def main() -> None:
         for name, url in urls.items():
             say(f"warm-up {warmup_index + 1}/{args.warmup_runs} at concurrency {args.concurrency[0]}: {name}")
             run_aiperf(warmup_args, url, args.concurrency[0], seed, out_dirs[name])
-    results: dict[int, dict[str, list[dict[str, float]]]] = {}
-    for concurrency in args.concurrency:
+    results: dict[Level, dict[str, list[dict[str, float]]]] = {}
+    for level in levels:
+        concurrency = level.concurrency
         rounds: dict[str, list[dict[str, float]]] = {name: [] for name in urls}
         for round_index in range(args.rounds):
-            seed = seed_base + 1000 * concurrency + round_index
-            out_dirs = {name: args.out / f"c{concurrency}" / f"r{round_index}" / name for name in urls}
+            seed = level.seed(seed_base, round_index)
+            out_dirs = {name: level.out_dir(args.out) / f"r{round_index}" / name for name in urls}
             if together_at(args, concurrency):
-                say(f"concurrency {concurrency}, round {round_index + 1}/{args.rounds}: {', '.join(urls)} together")
+                say(f"concurrency {level}, round {round_index + 1}/{args.rounds}: {', '.join(urls)} together")
                 rows = run_together(args, urls, concurrency, seed, out_dirs)
             else:
                 rows = {}
                 for name in round_order(list(urls), round_index):
-                    say(f"concurrency {concurrency}, round {round_index + 1}/{args.rounds}: {name}")
+                    say(f"concurrency {level}, round {round_index + 1}/{args.rounds}: {name}")
                     rows[name] = run_aiperf(args, urls[name], concurrency, seed, out_dirs[name])
             for name, row in rows.items():
                 rounds[name].append(row)
                 say(f"  {name}: " + ", ".join(f"{key} {value:.1f}" for key, value in row.items()))
-        results[concurrency] = rounds
-        print_level(concurrency, rounds)
+        results[level] = rounds
+        print_level(level, rounds)
         # Written after every level, so that a run cut off by a time limit keeps the levels it finished.
-        (args.out / "results.json").write_text(json.dumps({"seed_base": seed_base, "levels": results}, indent=1))
+        (args.out / "results.json").write_text(json.dumps(
+            {"seed_base": seed_base, "levels": {str(done): rows for done, rows in results.items()}}, indent=1))
     print_goals(results)
 
 

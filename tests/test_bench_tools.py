@@ -168,6 +168,7 @@ def fake_aiperf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         "started = time.time(); time.sleep(0.5)\n"
         "out.joinpath('ran.json').write_text(json.dumps([started, time.time()]))\n"
         "out.joinpath('request-count').write_text(argv[argv.index('--request-count') + 1])\n"
+        "out.joinpath('seed').write_text(argv[argv.index('--random-seed') + 1])\n"
         "stat = lambda value: {'avg': value, 'p50': value, 'p99': value}\n"
         "out.joinpath('profile_export_aiperf.json').write_text(json.dumps({\n"
         "    'output_token_throughput': stat(port), 'time_to_first_token': stat(20.0),\n"
@@ -382,8 +383,9 @@ def test_aiperf_goals_give_the_median_of_each_round_s_own_ratio_beside_the_ratio
 
     # The machine was slow in round 2 for both: round by round the stack read 1.00, 1.00, 0.82; the ratio of
     # the medians (900 / 1000) mixes rounds and reads 0.90.
-    _script("bench_aiperf").print_goals({16: {"sglang": [row(1000), row(800), row(1100)],
-                                              "conveyor": [row(1000), row(800), row(900)]}})
+    bench = _script("bench_aiperf")
+    bench.print_goals({bench.Level(16): {"sglang": [row(1000), row(800), row(1100)],
+                                                    "conveyor": [row(1000), row(800), row(900)]}})
     lines = capsys.readouterr().out.splitlines()
     assert "  c=16   output tok/s ≥ 0.97×: 0.90× NOT met (1.00×)" in lines
     assert "  c=16   ITL p99 ≤ 1.05×: 1.00× met (1.00×)" in lines
@@ -391,9 +393,34 @@ def test_aiperf_goals_give_the_median_of_each_round_s_own_ratio_beside_the_ratio
     # Rounds run together also carry each system's rate over only the time all streamed.
     shared_rounds = {"sglang": [{**row(1000), "tok/s shared": 1000.0}, {**row(800), "tok/s shared": 900.0}],
                      "conveyor": [{**row(900), "tok/s shared": 990.0}, {**row(800), "tok/s shared": 900.0}]}
-    _script("bench_aiperf").print_goals({64: shared_rounds})
+    bench.print_goals({bench.Level(64): shared_rounds})
     lines = capsys.readouterr().out.splitlines()
     assert "  c=64   output tok/s ≥ 0.97×: 0.94× NOT met (0.95×; while all streamed 0.99×)" in lines
+
+
+def test_aiperf_level_named_again_runs_again_with_fresh_prompts_and_is_reported_apart(tmp_path: Path,
+                                                                                     fake_aiperf: None) -> None:
+    completed = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_aiperf.py"), "--tokenizer", str(tmp_path), "--together",
+         "--concurrency", "4", "8", "4", "--rounds", "2", "sglang=http://127.0.0.1:30000",
+         "conveyor=http://127.0.0.1:29400", "--min-requests", "2", "--seed-base", "5", "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=90, check=True)
+    assert "concurrency 4#2, round 2/2: sglang, conveyor together" in completed.stderr
+    assert "c=4    output tok/s ≥ 0.97×: 0.98× met" in completed.stdout
+    assert "c=4#2  output tok/s ≥ 0.97×: 0.98× met" in completed.stdout
+    out = tmp_path / "out"
+    seeds = {(out / run / "conveyor" / "seed").read_text() for run in ("c4/r0", "c4/r1", "c8/r0", "c4-pass2/r0",
+                                                                       "c4-pass2/r1")}
+    assert len(seeds) == 5  # no run repeats another's prompts (the prefix cache would serve them)
+    assert set(json.loads((out / "results.json").read_text())["levels"]) == {"4", "8", "4#2"}
+
+
+def test_aiperf_too_many_rounds_for_fresh_seeds_is_refused() -> None:
+    completed = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_aiperf.py"), "--tokenizer", ".", "--rounds", "100",
+         "sglang=http://127.0.0.1:30000"], capture_output=True, text=True, timeout=30)
+    assert completed.returncode == 2
+    assert "--rounds must be 1 to 99" in completed.stderr
 
 
 def test_aiperf_together_from_runs_many_streams_at_once_and_one_stream_in_turn(tmp_path: Path,
