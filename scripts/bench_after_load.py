@@ -8,7 +8,7 @@ behind in the pipeline shows as the later light phases costing more than the fir
 
     conveyor up --engine mock --gateway          # with CONVEYOR_MOCK_LOCKSTEP=true CONVEYOR_MOCK_INTER_TOKEN_S=0.01
     python scripts/bench_after_load.py http://127.0.0.1:8000 --model mock \\
-        gateway=$(pgrep -f "conveyor up") decode=$(pgrep -f "worker decode") nats=$(pgrep -f nats-server)
+        gateway=$(pgrep -f "conveyor up") decode=$(pgrep -f "worker decode") nats=$(pgrep -f "nats-server -a")
 
 Prompts are random words (100–800), outputs 128–512 tokens, both drawn per request.
 """

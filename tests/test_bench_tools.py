@@ -436,3 +436,10 @@ def test_aiperf_together_from_runs_many_streams_at_once_and_one_stream_in_turn(t
     assert "c=4    output tok/s ≥ 0.97×: 0.98× met" in completed.stdout  # 29400 / 30000
     assert "c=1    TTFT p50 added ≤ 3 ms: +0.0 ms met" in completed.stdout
     assert "no per-request records (profile_export.jsonl missing)" in completed.stderr  # said, not an error
+
+
+def test_after_load_phases_read_as_streams_by_seconds() -> None:
+    bench = _script("bench_after_load")
+    assert bench.parse_phase("256x40") == (256, 40.0)
+    with pytest.raises(bench.argparse.ArgumentTypeError, match="STREAMSxSECONDS"):
+        bench.parse_phase("256")
