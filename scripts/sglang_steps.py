@@ -21,6 +21,7 @@ import argparse
 import lzma
 import re
 import statistics
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,11 +80,16 @@ def read_lines(path: Path) -> list[str]:
         return list(lines)
 
 
+class NoLoadedWindows(ValueError):
+    """An engine's log has no decode line in the running-request range asked for."""
+
+
 def engine_steps(name: str, lines: list[str], min_running: int, max_running: int | None = None) -> EngineSteps:
     loaded = [window for window in decode_windows(lines) if counted(window, min_running, max_running)]
     if not loaded:
         most = "+" if max_running is None else f" to {max_running}"
-        raise SystemExit(f"{name}: no decode line with {min_running}{most} running requests (does it log at info?)")
+        raise NoLoadedWindows(f"{name}: no decode line with {min_running}{most} running requests "
+                              "(does it log at info?)")
     prefills = [(int(m[1]), int(m[2]), int(m[3])) for line in lines if (m := _PREFILL.search(line))]
     usage = [window.token_usage for window in loaded if window.token_usage is not None]
     return EngineSteps(
@@ -150,7 +156,16 @@ def main() -> None:
     args = parser.parse_args()
 
     logs = {name: read_lines(path) for name, path in args.logs}
-    engines = [engine_steps(name, lines, args.min_running, args.max_running) for name, lines in logs.items()]
+    engines: list[EngineSteps] = []
+    for name, lines in list(logs.items()):
+        try:
+            engines.append(engine_steps(name, lines, args.min_running, args.max_running))
+        except NoLoadedWindows as missing:
+            if not engines:  # the reference: no ratio can be read without it
+                parser.exit(1, f"{missing}\n")
+            # An engine held but idle in this run (a second stack beside a two-system run): the rest still compare.
+            print(f"{missing}; left out", file=sys.stderr)
+            del logs[name]
     base = engines[0]
     print(f"{'engine':<12} {'windows':>7} {'running':>8} {'tok/s':>14} {'steps/s per request':>22} "
           f"{'prefills':>9} {'seqs/prefill':>12} {'new tok/prefill':>15} {'cached tok/prefill':>18} {'pool used':>9}")

@@ -88,8 +88,25 @@ def test_sglang_step_rates_of_one_stream_leave_out_windows_with_more_running(tmp
     steps = _script("sglang_steps")
     engine = steps.engine_steps("server", steps.read_lines(log), min_running=1, max_running=1)
     assert (engine.windows, engine.tokens_per_s) == (2, 530.0)
-    with pytest.raises(SystemExit, match="no decode line with 3 to 4 running"):
+    with pytest.raises(steps.NoLoadedWindows, match="no decode line with 3 to 4 running"):
         steps.engine_steps("server", steps.read_lines(log), min_running=3, max_running=4)
+
+
+def test_sglang_steps_leave_out_an_engine_idle_in_the_run_and_compare_the_rest(tmp_path: Path) -> None:
+    busy = "[t] Decode batch, #running-req: 16, #token: 9000, token usage: 0.03, gen throughput (token/s): 3200.00\n"
+    idle = "[t] Decode batch, #running-req: 1, #token: 900, token usage: 0.00, gen throughput (token/s): 500.00\n"
+    for name, text in (("server", busy), ("stack", busy), ("idle", idle)):
+        (tmp_path / f"{name}.log").write_text(text)
+    logs = [f"{name}={tmp_path / name}.log" for name in ("server", "idle", "stack")]
+    completed = subprocess.run([sys.executable, str(SCRIPTS / "sglang_steps.py"), *logs, "--min-running", "12"],
+                               capture_output=True, text=True, timeout=30)
+    assert completed.returncode == 0
+    assert "idle: no decode line with 12+ running requests (does it log at info?); left out" in completed.stderr
+    assert "stack" in completed.stdout and "1.00x" in completed.stdout
+    without_reference = subprocess.run([sys.executable, str(SCRIPTS / "sglang_steps.py"), logs[1], logs[0]],
+                                       capture_output=True, text=True, timeout=30)
+    assert without_reference.returncode == 1
+    assert "idle: no decode line" in without_reference.stderr
 
 
 def test_sglang_settings_are_read_field_by_field_from_the_logged_line(tmp_path: Path) -> None:
