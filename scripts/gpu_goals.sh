@@ -182,6 +182,13 @@ case "${1:-}" in
             python3 scripts/sglang_steps.py "${engines[@]}" --min-running 12 --max-running 16 "${by_time[@]}" \
                 > "$out/engine-steps-16.txt" 2>&1 || rm -f "$out/engine-steps-16.txt"
             cat "$out/engine-steps-16.txt" 2>/dev/null || true
+            # Each level of the aiperf step apart, at its steady running count (a level named twice, as in
+            # GOALS_LEVELS="16 256 16", read as 16 and 16#2).
+            if [ -f "$dir/aiperf.log" ]; then
+                python3 scripts/sglang_steps.py "${engines[@]}" --levels "$dir/aiperf.log" \
+                    > "$out/engine-steps-levels.txt" 2>&1 || rm -f "$out/engine-steps-levels.txt"
+                cat "$out/engine-steps-levels.txt" 2>/dev/null || true
+            fi
             # Each round split at the stack's first canary under load (since the twenty-ninth stop there should be
             # none: a canary in SGLang's running batch slowed every later step of it).
             rm -f "$out/canary-split.txt"

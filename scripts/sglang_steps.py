@@ -12,13 +12,19 @@ in a stack's CONVEYOR_SGLANG_EXTRA_SERVER_ARGS).
 Lines with fewer than --min-running requests (warm-up, a round's tail, idle gaps) are left out, and with
 --max-running those with more: `--min-running 1 --max-running 1` reads one stream's steps, where a step is short and
 any CPU work in the scheduler's loop shows (docs/performance.md, thirty-first stop). Files may be xz-compressed (.xz).
-The ratios are each engine's over the first one named.
+The ratios are each engine's over the first one named. With --levels AIPERF_LOG (scripts/bench_aiperf.py's output), one
+table per level of that run instead, each from the lines logged while the level's rounds ran and at 75–100% of its
+streams running (or of the most the first engine ran there, where its limit is lower): `16` and `16#2` of a
+`--concurrency 16 256 16` run apart.
+
+    python scripts/sglang_steps.py server=server-batches.log conveyor=conveyor-batches.log --levels aiperf.log
 """
 
 from __future__ import annotations
 
 import argparse
 import lzma
+import math
 import re
 import statistics
 import sys
@@ -31,6 +37,11 @@ _PREFILL = re.compile(r"Prefill batch.*?#new-seq: (\d+), #new-token: (\d+), #cac
 _STAMP = re.compile(r"^\[\d{4}-\d\d-\d\d (\d\d):(\d\d):(\d\d)")
 # A full pool evicts on the step path (a walk over the radix tree's leaves): how full each engine's pool ran.
 _USAGE = re.compile(r"token usage: ([\d.]+)")
+# bench_aiperf.py's progress: `[bench-aiperf 05:39:48] concurrency 16#2, round 1/3: sglang, conveyor together`.
+_AIPERF_STAMP = re.compile(r"^\[bench-aiperf (\d\d):(\d\d):(\d\d)\]")
+_AIPERF_ROUND = re.compile(r"\] concurrency (\d+)(#\d+)?, round \d+/\d+")
+# At least this share of a level's streams running: its steady windows, not its ramp or its drain.
+STEADY_SHARE = 0.75
 
 
 @dataclass(frozen=True)
@@ -123,6 +134,36 @@ def steps_by_time(lines: list[str], min_running: int, bucket_s: int,
     return {start: statistics.median(rates) for start, rates in sorted(buckets.items())}
 
 
+@dataclass(frozen=True)
+class LevelSpan:
+    """When one level of a bench_aiperf.py run ran, by the clock (seconds since midnight)."""
+    label: str  # "16", or "16#2" for a level's second pass in the run
+    concurrency: int
+    start_s: int
+    end_s: int
+
+
+def aiperf_levels(lines: list[str]) -> list[LevelSpan]:
+    """Each level of a bench_aiperf.py log, from its first round's start to the next level's (the last level: to the
+    log's last stamped line)."""
+    starts: list[tuple[str, int, int]] = []
+    last_s = 0
+    for line in lines:
+        if not (stamp := _AIPERF_STAMP.search(line)):
+            continue
+        last_s = int(stamp[1]) * 3600 + int(stamp[2]) * 60 + int(stamp[3])
+        if (level := _AIPERF_ROUND.search(line)) and not any(label == level[1] + (level[2] or "")
+                                                             for label, _, _ in starts):
+            starts.append((level[1] + (level[2] or ""), int(level[1]), last_s))
+    ends = [start_s for _, _, start_s in starts[1:]] + [last_s]
+    return [LevelSpan(label, concurrency, start_s, end_s)
+            for (label, concurrency, start_s), end_s in zip(starts, ends)]
+
+
+def lines_within(lines: list[str], start_s: int, end_s: int) -> list[str]:
+    return [line for line in lines if (second := second_of(line)) is not None and start_s <= second <= end_s]
+
+
 def print_by_time(names: list[str], rates: list[dict[int, float]], bucket_s: int) -> None:
     print(f"\nsteps/s per request, {bucket_s} s buckets (ratio: each over {names[0]}, where both ran)")
     print(f"{'from':<8} " + " ".join(f"{name:>14}" for name in names))
@@ -135,7 +176,7 @@ def print_by_time(names: list[str], rates: list[dict[int, float]], bucket_s: int
                 cells.append(f"{engine_rates[start]:>14.0f}")
             else:
                 cells.append(f"{engine_rates[start]:>8.0f} {engine_rates[start] / rates[0][start]:.2f}x")
-        print(f"{start // 3600:02d}:{start % 3600 // 60:02d}:{start % 60:02d} " + " ".join(cells))
+        print(f"{clock(start)} " + " ".join(cells))
 
 
 def named_path(text: str) -> tuple[str, Path]:
@@ -153,17 +194,49 @@ def main() -> None:
                         help="most running requests a window counts with (default: no limit)")
     parser.add_argument("--by-time", type=int, metavar="SECONDS", default=0,
                         help="also each engine's rate in buckets of this many seconds of the clock, side by side")
+    parser.add_argument("--levels", type=Path, metavar="AIPERF_LOG", default=None,
+                        help="one table per level of this bench_aiperf.py run (its running-request range: 75-100%% "
+                             "of the level's streams; --min-running and --max-running are then ignored)")
     args = parser.parse_args()
 
     logs = {name: read_lines(path) for name, path in args.logs}
+    if args.levels is not None:
+        for level in aiperf_levels(read_lines(args.levels)):
+            within = {name: lines_within(lines, level.start_s, level.end_s) for name, lines in logs.items()}
+            # An engine's running-request limit caps what a level can run (128 of 256 streams, say).
+            most = max((window.running for window in decode_windows(next(iter(within.values())))), default=0)
+            min_running = max(1, math.ceil(STEADY_SHARE * min(level.concurrency, most)))
+            print(f"\nlevel {level.label}: {min_running} to {level.concurrency} running, "
+                  f"{clock(level.start_s)}-{clock(level.end_s)}")
+            try:
+                print_table(within, min_running, level.concurrency)
+            except NoLoadedWindows as missing:
+                print(f"{missing}: no ratio at this level")
+        return
+    try:
+        print_table(logs, args.min_running, args.max_running)
+    except NoLoadedWindows as missing:
+        parser.exit(1, f"{missing}\n")
+    if args.by_time:
+        rates = [steps_by_time(lines, args.min_running, args.by_time, args.max_running) for lines in logs.values()]
+        print_by_time(list(logs), rates, args.by_time)
+
+
+def clock(second: int) -> str:
+    return f"{second // 3600:02d}:{second % 3600 // 60:02d}:{second % 60:02d}"
+
+
+def print_table(logs: dict[str, list[str]], min_running: int, max_running: int | None) -> None:
+    """Each engine's steps over its loaded windows, and its ratio to the first's. An engine with none (one held but
+    idle in this run, as a second stack beside a two-system run) is said on stderr and left out (from `logs` too);
+    the first one with none raises NoLoadedWindows (no ratio can be read without it)."""
     engines: list[EngineSteps] = []
     for name, lines in list(logs.items()):
         try:
-            engines.append(engine_steps(name, lines, args.min_running, args.max_running))
+            engines.append(engine_steps(name, lines, min_running, max_running))
         except NoLoadedWindows as missing:
-            if not engines:  # the reference: no ratio can be read without it
-                parser.exit(1, f"{missing}\n")
-            # An engine held but idle in this run (a second stack beside a two-system run): the rest still compare.
+            if not engines:
+                raise
             print(f"{missing}; left out", file=sys.stderr)
             del logs[name]
     base = engines[0]
@@ -177,9 +250,6 @@ def main() -> None:
               f"{engine.prefill_batches:>9} {engine.sequences_per_prefill:>12.2f} "
               f"{engine.new_tokens_per_prefill:>15.0f} {engine.cached_tokens_per_prefill:>18.0f} "
               f"{engine.mean_token_usage:>9.2f}")
-    if args.by_time:
-        rates = [steps_by_time(lines, args.min_running, args.by_time, args.max_running) for lines in logs.values()]
-        print_by_time(list(logs), rates, args.by_time)
 
 
 if __name__ == "__main__":

@@ -460,3 +460,34 @@ def test_after_load_phases_read_as_streams_by_seconds() -> None:
     assert bench.parse_phase("256x40") == (256, 40.0)
     with pytest.raises(bench.argparse.ArgumentTypeError, match="STREAMSxSECONDS"):
         bench.parse_phase("256")
+
+
+def test_sglang_steps_by_level_read_each_pass_of_an_aiperf_run_apart(tmp_path: Path) -> None:
+    (tmp_path / "aiperf.log").write_text(
+        "[bench-aiperf 05:00:00] warm-up 1/1 at concurrency 16: together\n"
+        "[bench-aiperf 05:00:10] concurrency 16, round 1/1: sglang, conveyor together\n"
+        "[bench-aiperf 05:01:00] concurrency 256, round 1/1: sglang, conveyor together\n"
+        "[bench-aiperf 05:02:00] concurrency 16#2, round 1/1: sglang, conveyor together\n"
+        "[bench-aiperf 05:03:00] aiperf took 60 s\n")
+
+    def decode(stamp: str, running: int, tokens_per_s: float) -> str:
+        return (f"[2026-11-27 {stamp}] Decode batch, #running-req: {running}, #token: 9000, token usage: 0.03, "
+                f"gen throughput (token/s): {tokens_per_s:.2f}\n")
+
+    # The stack keeps pace at 16 streams, then steps at half the server's rate in the second pass; at 256 streams
+    # both are held at 128 running by their limit.
+    (tmp_path / "server.log").write_text(decode("05:00:30", 16, 3200) + decode("05:01:30", 128, 12800)
+                                         + decode("05:02:30", 16, 3200))
+    (tmp_path / "stack.log").write_text(decode("05:00:30", 16, 3200) + decode("05:01:30", 128, 12800)
+                                        + decode("05:02:30", 16, 1600))
+    completed = subprocess.run(
+        [sys.executable, str(SCRIPTS / "sglang_steps.py"), f"server={tmp_path / 'server.log'}",
+         f"stack={tmp_path / 'stack.log'}", "--levels", str(tmp_path / "aiperf.log")],
+        capture_output=True, text=True, timeout=30, check=True)
+    tables = completed.stdout.split("\nlevel ")[1:]
+    assert [table.splitlines()[0] for table in tables] == [
+        "16: 12 to 16 running, 05:00:10-05:01:00", "256: 96 to 256 running, 05:01:00-05:02:00",
+        "16#2: 12 to 16 running, 05:02:00-05:03:00"]
+    assert "1.00x" in tables[0].splitlines()[-1]
+    assert "1.00x" in tables[1].splitlines()[-1]
+    assert "0.50x" in tables[2].splitlines()[-1]
