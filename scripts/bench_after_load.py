@@ -39,6 +39,14 @@ class PhaseCount:
     chunk_gaps_s: list[float] = field(default_factory=list)
 
 
+def named_pid(text: str) -> tuple[str, int]:
+    name, pid = named(text)
+    try:
+        return name, int(pid)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected NAME=PID (a process id), not {text!r}") from None
+
+
 def parse_phase(text: str) -> tuple[int, float]:
     streams, _, seconds = text.partition("x")
     try:
@@ -99,7 +107,7 @@ async def main_async(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("url", help="the gateway's root (no /v1)")
-    parser.add_argument("processes", nargs="*", type=named, metavar="NAME=PID",
+    parser.add_argument("processes", nargs="*", type=named_pid, metavar="NAME=PID",
                         help="processes whose CPU per output token is printed")
     parser.add_argument("--model", default="mock")
     parser.add_argument("--phases", nargs="+", type=parse_phase, default=[(16, 20), (16, 20), (256, 40), (16, 20),
@@ -107,7 +115,6 @@ def main() -> None:
                         metavar="STREAMSxSECONDS", help="phases in order (default: 16x20 16x20 256x40 16x20 16x20)")
     parser.add_argument("--request-timeout-s", type=float, default=600.0)
     args = parser.parse_args()
-    args.processes = [(name, int(pid)) for name, pid in args.processes]
     asyncio.run(main_async(args))
 
 

@@ -267,7 +267,7 @@ def round_ratios(mine: list[dict[str, float]], theirs: list[dict[str, float]], m
     return [mine_row[metric] / max(their_row[metric], 1e-9) for mine_row, their_row in zip(mine, theirs)]
 
 
-def print_level(level: Level | int, rounds: dict[str, list[dict[str, float]]]) -> None:
+def print_level(level: Level, rounds: dict[str, list[dict[str, float]]]) -> None:
     names = list(rounds)
     reference = names[0]
     medians = {name: median_row(rows) for name, rows in rounds.items()}

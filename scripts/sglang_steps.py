@@ -214,31 +214,30 @@ def main() -> None:
                 print(f"{missing}: no ratio at this level")
         return
     try:
-        print_table(logs, args.min_running, args.max_running)
+        shown = print_table(logs, args.min_running, args.max_running)
     except NoLoadedWindows as missing:
         parser.exit(1, f"{missing}\n")
     if args.by_time:
-        rates = [steps_by_time(lines, args.min_running, args.by_time, args.max_running) for lines in logs.values()]
-        print_by_time(list(logs), rates, args.by_time)
+        rates = [steps_by_time(logs[name], args.min_running, args.by_time, args.max_running) for name in shown]
+        print_by_time(shown, rates, args.by_time)
 
 
 def clock(second: int) -> str:
     return f"{second // 3600:02d}:{second % 3600 // 60:02d}:{second % 60:02d}"
 
 
-def print_table(logs: dict[str, list[str]], min_running: int, max_running: int | None) -> None:
-    """Each engine's steps over its loaded windows, and its ratio to the first's. An engine with none (one held but
-    idle in this run, as a second stack beside a two-system run) is said on stderr and left out (from `logs` too);
-    the first one with none raises NoLoadedWindows (no ratio can be read without it)."""
+def print_table(logs: dict[str, list[str]], min_running: int, max_running: int | None) -> list[str]:
+    """Each engine's steps over its loaded windows, and its ratio to the first's; returns the engines shown. An engine
+    with none (one held but idle in this run, as a second stack beside a two-system run) is said on stderr and left
+    out; the first one with none raises NoLoadedWindows (no ratio can be read without it)."""
     engines: list[EngineSteps] = []
-    for name, lines in list(logs.items()):
+    for name, lines in logs.items():
         try:
             engines.append(engine_steps(name, lines, min_running, max_running))
         except NoLoadedWindows as missing:
             if not engines:
                 raise
             print(f"{missing}; left out", file=sys.stderr)
-            del logs[name]
     base = engines[0]
     print(f"{'engine':<12} {'windows':>7} {'running':>8} {'tok/s':>14} {'steps/s per request':>22} "
           f"{'prefills':>9} {'seqs/prefill':>12} {'new tok/prefill':>15} {'cached tok/prefill':>18} {'pool used':>9}")
@@ -250,6 +249,7 @@ def print_table(logs: dict[str, list[str]], min_running: int, max_running: int |
               f"{engine.prefill_batches:>9} {engine.sequences_per_prefill:>12.2f} "
               f"{engine.new_tokens_per_prefill:>15.0f} {engine.cached_tokens_per_prefill:>18.0f} "
               f"{engine.mean_token_usage:>9.2f}")
+    return [engine.name for engine in engines]
 
 
 if __name__ == "__main__":

@@ -142,8 +142,9 @@ def test_aiperf_report_gives_two_stacks_ratio_to_each_other_round_by_round(capsy
         return {"tok/s": tokens_per_s, "TTFT p50": 50.0, "TTFT p99": 300.0, "ITL p50": 5.0, "ITL p99": 7.0,
                 "gap p99": 30.0}
 
-    _script("bench_aiperf").print_level(64, {"sglang": [row(10), row(11)], "a": [row(9), row(10)],
-                                             "b": [row(10), row(12.5)]})
+    bench = _script("bench_aiperf")
+    bench.print_level(bench.Level(64), {"sglang": [row(10), row(11)], "a": [row(9), row(10)],
+                                        "b": [row(10), row(12.5)]})
     printed = capsys.readouterr().out
     assert "a ÷ b | tok/s by round: 0.90, 0.80" in printed
     assert "b ÷ a" not in printed  # each pair once
