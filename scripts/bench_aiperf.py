@@ -49,6 +49,8 @@ MEASURES = {
 }
 # Issue 11's load: prompts of 128–1024 tokens, outputs of 128–512 (aiperf draws uniformly from mean·(1 ± ratio)).
 INPUT_TOKENS_MEAN, INPUT_RANGE_RATIO = 576, 0.778
+# The id aiperf loads the tokenizer by, from a cache of our own (offline_tokenizer_cache).
+TOKENIZER_REPO = "conveyor-bench/tokenizer"
 OUTPUT_TOKENS_MEAN, OUTPUT_RANGE_RATIO = 320, 0.6
 
 
@@ -75,7 +77,7 @@ def aiperf_command(args: argparse.Namespace, url: str, concurrency: int, seed: i
     num_requests = max(args.min_requests, per_stream * concurrency)
     return [
         sys.executable, "-m", "aiperf", "profile",
-        "--model", args.model_name, "--tokenizer", str(Path(args.tokenizer).resolve()), "--url", url,
+        "--model", args.model_name, "--tokenizer", TOKENIZER_REPO, "--url", url,
         "--endpoint-type", "chat", "--streaming",
         "--concurrency", str(concurrency), "--request-count", str(num_requests),
         "--prompt-input-tokens-mean", str(INPUT_TOKENS_MEAN), "--prompt-output-tokens-mean", str(OUTPUT_TOKENS_MEAN),
@@ -85,14 +87,35 @@ def aiperf_command(args: argparse.Namespace, url: str, concurrency: int, seed: i
     ] + (["--workers-max", str(args.workers_max)] if args.workers_max else [])
 
 
+def offline_tokenizer_cache(tokenizer_dir: Path, cache_dir: Path) -> Path:
+    """An HF cache of our own in which the tokenizer folder is the snapshot of TOKENIZER_REPO; the cache's path.
+
+    Why: aiperf given a folder loads it only online, and first loads it once more in a process of its own to "cache"
+    it. On the GPU machine, which reaches no network, that prefetch took 17 s and the load in aiperf's services
+    another 17: a run waited ~35 s for its first request (thirty-ninth stop). Offline, aiperf skips the prefetch and
+    finds a tokenizer only by repository id in the HF cache: this cache holds the folder's files under that id."""
+    repo = cache_dir / ("models--" + TOKENIZER_REPO.replace("/", "--"))
+    snapshot = repo / "snapshots" / "local"
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for source in tokenizer_dir.resolve().iterdir():
+        link = snapshot / source.name
+        if not link.is_symlink():
+            link.symlink_to(source)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text("local")
+    return cache_dir
+
+
+def aiperf_env(args: argparse.Namespace) -> dict[str, str]:
+    """aiperf's environment: offline, with the tokenizer in args.hf_cache (offline_tokenizer_cache)."""
+    return {**os.environ, "HF_HUB_CACHE": str(args.hf_cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
 def start_aiperf(args: argparse.Namespace, url: str, concurrency: int, seed: int, out_dir: Path) -> subprocess.Popen:
     out_dir.mkdir(parents=True, exist_ok=True)
-    # aiperf's offline mode looks a tokenizer up in the HF cache even when it is given a folder; without it, a local
-    # folder loads with no network access (scripts/gpu_run.sh sets both variables for SGLang).
-    env = {key: value for key, value in os.environ.items() if key not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     with open(out_dir / "aiperf.log", "wb") as log:
         return subprocess.Popen(aiperf_command(args, url, concurrency, seed, out_dir), stdout=log,
-                                stderr=subprocess.STDOUT, env=env)
+                                stderr=subprocess.STDOUT, env=aiperf_env(args))
 
 
 def finish_aiperf(args: argparse.Namespace, process: subprocess.Popen, url: str, out_dir: Path,
@@ -401,6 +424,7 @@ def main() -> None:
     say(f"seed base {seed_base} (--seed-base {seed_base} repeats these prompts)")
 
     urls = dict(args.targets)
+    args.hf_cache = offline_tokenizer_cache(Path(args.tokenizer), args.out / "hf-cache")
     # Warm-up prompts get seeds below every level's (Level.seed: seed_base + 1000 * concurrency + ...), so no counted
     # run finds them cached.
     # A warm-up run is one request a stream: every batch size up to the level's is stepped through as the streams

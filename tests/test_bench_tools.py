@@ -199,7 +199,8 @@ def test_aiperf_runs_together_overlap_in_time_and_each_keeps_its_own_summary(
         tmp_path: Path, fake_aiperf: None) -> None:
     bench = _script("bench_aiperf")
     args = bench.argparse.Namespace(model_name="m", tokenizer=str(tmp_path), min_requests=16, requests_per_stream=4,
-                                    requests_per_stream_at={}, workers_max=None, run_timeout_s=30.0)
+                                    requests_per_stream_at={}, workers_max=None, run_timeout_s=30.0,
+                                    hf_cache=tmp_path / "hf-cache")
     urls = {"sglang": "http://127.0.0.1:30000", "conveyor": "http://127.0.0.1:8000"}
     out_dirs = {name: tmp_path / name for name in urls}
     rows = bench.run_together(args, urls, 64, 7, out_dirs)
@@ -222,6 +223,25 @@ def test_aiperf_level_named_in_requests_per_stream_at_gets_its_own_run_length(tm
     assert [request_count(streams) for streams in (1, 16, 64)] == [32, 16 * 24, 64 * 6]
     with pytest.raises(bench.argparse.ArgumentTypeError):
         bench.parse_level_requests("16")
+
+
+def test_aiperf_finds_the_tokenizer_folder_offline_under_its_own_repository_id(tmp_path: Path) -> None:
+    bench = _script("bench_aiperf")
+    folder = tmp_path / "smol"
+    folder.mkdir()
+    folder.joinpath("tokenizer.json").write_text('{"version": "1.0"}')
+    args = bench.argparse.Namespace(hf_cache=bench.offline_tokenizer_cache(folder, tmp_path / "hf-cache"))
+    bench.offline_tokenizer_cache(folder, tmp_path / "hf-cache")  # a second run's call finds it laid out already
+    # How aiperf resolves a tokenizer offline: the repository's snapshot in the HF cache, no network.
+    lookup = ("import sys, huggingface_hub\n"
+              "print(huggingface_hub.snapshot_download(sys.argv[1], local_files_only=True))")
+    snapshot = subprocess.run([sys.executable, "-c", lookup, bench.TOKENIZER_REPO], env=bench.aiperf_env(args),
+                              capture_output=True, text=True, check=True).stdout.strip()
+    assert Path(snapshot, "tokenizer.json").read_text() == '{"version": "1.0"}'
+    command = bench.aiperf_command(
+        bench.argparse.Namespace(model_name="m", tokenizer=str(folder), min_requests=1, requests_per_stream=1,
+                                 requests_per_stream_at={}, workers_max=None), "http://127.0.0.1:8000", 1, 7, tmp_path)
+    assert command[command.index("--tokenizer") + 1] == bench.TOKENIZER_REPO
 
 
 def test_sched_wait_reads_a_busy_process_cpu_and_names_it_by_its_command_line(tmp_path: Path) -> None:
