@@ -31,6 +31,23 @@ def nats_server() -> Iterator[EmbeddedNatsServer]:
         yield server
 
 
+# How many of the shared server's last log lines a failed test's report carries.
+SERVER_LOG_LINES = 30
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test that used the shared nats-server reports the server's last log lines: a JetStream error (e.g.
+    "error creating store for stream") says only what failed, the server's log says why, and its store (the log
+    with it) is gone once the session ends."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    server = getattr(item, "funcargs", {}).get("nats_server")
+    if report.failed and isinstance(server, EmbeddedNatsServer) and server.log_file.exists():
+        lines = server.log_file.read_text(errors="replace").splitlines()[-SERVER_LOG_LINES:]
+        report.sections.append(("nats-server log (last lines)", "\n".join(lines)))
+
+
 @pytest.fixture
 def nats_settings(nats_server: EmbeddedNatsServer) -> NatsSettings:
     return NatsSettings(urls=[nats_server.url])
