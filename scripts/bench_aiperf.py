@@ -91,9 +91,9 @@ def offline_tokenizer_cache(tokenizer_dir: Path, cache_dir: Path) -> Path:
     """An HF cache of our own in which the tokenizer folder is the snapshot of TOKENIZER_REPO; the cache's path.
 
     Why: aiperf given a folder loads it only online, and first loads it once more in a process of its own to "cache"
-    it. On the GPU machine, which reaches no network, that prefetch took 17 s and the load in aiperf's services
-    another 17: a run waited ~35 s for its first request (thirty-ninth stop). Offline, aiperf skips the prefetch and
-    finds a tokenizer only by repository id in the HF cache: this cache holds the folder's files under that id."""
+    it. Offline, aiperf skips the prefetch and finds a tokenizer only by repository id in the HF cache: this cache
+    holds the folder's files under that id. On the H100 machine that took aiperf's start-up from 30.5 to 15.1 s, a
+    run's ~35 s before its first request under load to ~20 (docs/performance.md, thirty-ninth stop)."""
     repo = cache_dir / ("models--" + TOKENIZER_REPO.replace("/", "--"))
     snapshot = repo / "snapshots" / "local"
     snapshot.mkdir(parents=True, exist_ok=True)
