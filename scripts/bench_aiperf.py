@@ -92,8 +92,8 @@ def offline_tokenizer_cache(tokenizer_dir: Path, cache_dir: Path) -> Path:
 
     Why: aiperf given a folder loads it only online, and first loads it once more in a process of its own to "cache"
     it. Offline, aiperf skips the prefetch and finds a tokenizer only by repository id in the HF cache: this cache
-    holds the folder's files under that id. On the H100 machine that took aiperf's start-up from 30.5 to 15.1 s, a
-    run's ~35 s before its first request under load to ~20 (docs/performance.md, thirty-ninth stop)."""
+    holds the folder's files under that id. On the H100 machine that took aiperf's start-up alone from 30.5 to 15.1 s
+    (docs/performance.md, thirty-ninth stop)."""
     repo = cache_dir / ("models--" + TOKENIZER_REPO.replace("/", "--"))
     snapshot = repo / "snapshots" / "local"
     snapshot.mkdir(parents=True, exist_ok=True)
