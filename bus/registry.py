@@ -223,6 +223,15 @@ class RegistryView:
             await asyncio.shield(reading)
         return self._cards
 
+    async def latest(self) -> list[WorkerCard]:
+        """The cards as they are now: the watch's while it is trusted (no read), else a read now (`refresh`). For a
+        holder's periodic look that acts on workers gone (the processor's router forgets them), where a view up to
+        `stale_limit_s` old would miss a worker that registered since."""
+        followed = self._watched.cards(time.monotonic(), self._on_read)
+        if followed is not None:
+            return followed
+        return await self.refresh()
+
     async def refresh(self) -> list[WorkerCard]:
         """Read the registry now, or join the read under way; the cards it read."""
         # Shielded: a holder's timer task stopped mid-read does not cancel a read that requests wait for.

@@ -170,6 +170,30 @@ async def test_a_followed_view_sees_a_new_worker_at_once_and_never_reads(bus: Bu
     assert reads == []  # every answer came from the watch
 
 
+async def test_latest_reads_the_registry_until_the_watch_is_trusted_then_answers_from_it(bus: Bus) -> None:
+    ttl_s = bus.settings.registry_ttl_s
+    reads: list[float] = []
+    view, follower = followed_view(bus, reads)
+    first = Registration(bus.registry, card("decode-1", Stage.DECODE), ttl_s)
+    second = Registration(bus.registry, card("prefill-1", Stage.PREFILL), ttl_s)
+    try:
+        await first.open()
+        # The watch began a moment ago, so it is not trusted yet: each look reads, however fresh the last read.
+        assert {c.worker_id for c in await view.latest()} == {"decode-1"}
+        await second.open()
+        assert {c.worker_id for c in await view.latest()} == {"decode-1", "prefill-1"}
+        assert len(reads) == 2
+        await asyncio.sleep(ttl_s / 2 + 0.3)
+        reads.clear()
+        await first.close()
+        await asyncio.sleep(0.2)
+        assert {c.worker_id for c in await view.latest()} == {"prefill-1"}
+        assert reads == []  # trusted: the watch answers, the worker gone already gone from it
+    finally:
+        await stop_tasks([follower])
+        await second.close()
+
+
 async def test_a_followed_view_drops_a_card_not_written_for_a_ttl(bus: Bus) -> None:
     ttl_s = bus.settings.registry_ttl_s
     alive = Registration(bus.registry, card("alive-1", Stage.PROCESSOR), ttl_s)

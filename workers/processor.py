@@ -171,12 +171,12 @@ class ProcessorStage:
     async def _watch_registry(self, interval_s: float) -> None:
         """Keep the view of ready stages fresh between requests, so a replica that has routed nothing yet
         still knows which stages were ready just before a registry outage."""
-        assert self._context is not None
+        assert self._view is not None
         while True:
             try:
-                # Only remembered, not cached for routing: a request must not be routed on a view
-                # older than its own arrival needs (a worker that registered since).
-                cards = await self._context.list_workers()
+                # The watch's cards while it is trusted, else a read: no registry read every half TTL beside a
+                # live watch, and never a view old enough to forget a worker that registered since.
+                cards = await self._view.latest()
                 self._remember_ready(cards)
                 if self._router is not None:
                     # Gone workers leave the index, and their pinned tasks go back to the shared queue.
