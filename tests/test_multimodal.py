@@ -175,13 +175,15 @@ async def test_image_requests_stream_through_the_gateway_with_the_openai_sdk(bus
 async def image_server() -> str:  # type: ignore[misc]
     """A local HTTP server with a good image, a missing one and one that never answers."""
 
+    async def red(_: web.Request) -> web.Response:
+        return web.Response(body=png((220, 20, 20)), content_type="image/png")
+
     async def slow(_: web.Request) -> web.Response:
         await asyncio.sleep(30)
         return web.Response(body=b"")
 
     app = web.Application()
-    app.add_routes([web.get("/red.png", lambda _: web.Response(body=png((220, 20, 20)), content_type="image/png")),
-                    web.get("/slow.png", slow)])
+    app.add_routes([web.get("/red.png", red), web.get("/slow.png", slow)])
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
