@@ -140,6 +140,10 @@ case "${1:-}" in
         mkdir -p "$out"
         cp "$dir"/*.log "$out"/ 2>/dev/null || true
         cp "$dir/aiperf/results.json" "$out/aiperf-results.json" 2>/dev/null || true
+        # aiperf's own log of each warm-up run: where its start-up went (thirty-ninth stop: two tokenizer loads).
+        for warmup in "$dir"/aiperf/warmup/*/; do
+            [ -f "$warmup/aiperf.log" ] && cp "$warmup/aiperf.log" "$out/warmup-$(basename "$warmup")-aiperf.log"
+        done
         # SGLang's batch lines, where an engine logs at info (every engine gpu_hold.sh starts does): each engine's
         # steps, round by round.
         since=$(cat "$dir/started-at" 2>/dev/null || echo 0)
@@ -233,6 +237,9 @@ case "${1:-}" in
             cat "$out/engine-args-diff.txt"
         fi
         cat "$dir/progress.log"
+        if [ -f "$dir/aiperf.log" ]; then  # each level's rounds so far, and the goals once the step has ended
+            grep -E "^concurrency |tok/s ratio by round:|^  c=" "$dir/aiperf.log" || true
+        fi
         if [ -f "$dir/done" ]; then echo "[gpu-goals] done"; else echo "[gpu-goals] still running"; fi
         ;;
     *)
