@@ -372,7 +372,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("targets", nargs="+", type=parse_target,
                         help="NAME=URL of each server (OpenAI API root, no /v1); the first is the reference")
-    parser.add_argument("--tokenizer", required=True, help="a local tokenizer folder (e.g. .gpu/smol)")
+    parser.add_argument("--tokenizer", required=True,
+                        help="a local tokenizer folder (e.g. .gpu/smol); aiperf loads it offline, from a Hugging Face "
+                             "cache laid out under --out (hf-cache/)")
     parser.add_argument("--model-name", default=None,
                         help="the model name both servers answer to (default: the tokenizer folder's path)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64],
