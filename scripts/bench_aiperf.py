@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -96,11 +97,11 @@ def offline_tokenizer_cache(tokenizer_dir: Path, cache_dir: Path) -> Path:
     (docs/performance.md, thirty-ninth stop)."""
     repo = cache_dir / ("models--" + TOKENIZER_REPO.replace("/", "--"))
     snapshot = repo / "snapshots" / "local"
-    snapshot.mkdir(parents=True, exist_ok=True)
+    # Laid out afresh: an --out used before may hold another folder's files.
+    shutil.rmtree(snapshot, ignore_errors=True)
+    snapshot.mkdir(parents=True)
     for source in tokenizer_dir.resolve().iterdir():
-        link = snapshot / source.name
-        if not link.is_symlink():
-            link.symlink_to(source)
+        (snapshot / source.name).symlink_to(source)
     (repo / "refs").mkdir(exist_ok=True)
     (repo / "refs" / "main").write_text("local")
     return cache_dir

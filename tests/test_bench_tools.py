@@ -230,8 +230,11 @@ def test_aiperf_finds_the_tokenizer_folder_offline_under_its_own_repository_id(t
     folder = tmp_path / "smol"
     folder.mkdir()
     folder.joinpath("tokenizer.json").write_text('{"version": "1.0"}')
+    other = tmp_path / "other"
+    other.mkdir()
+    other.joinpath("tokenizer.json").write_text('{"version": "other"}')
+    bench.offline_tokenizer_cache(other, tmp_path / "hf-cache")  # an earlier run with --out shared, another folder
     args = bench.argparse.Namespace(hf_cache=bench.offline_tokenizer_cache(folder, tmp_path / "hf-cache"))
-    bench.offline_tokenizer_cache(folder, tmp_path / "hf-cache")  # a second run's call finds it laid out already
     # How aiperf resolves a tokenizer offline: the repository's snapshot in the HF cache, no network.
     lookup = ("import sys, huggingface_hub\n"
               "print(huggingface_hub.snapshot_download(sys.argv[1], local_files_only=True))")
