@@ -3,7 +3,9 @@
 # one run, in the background, so that it outlives the device call that starts it (a call lasts at most 600 s).
 #
 #   bash scripts/gpu_goals.sh start [ROUNDS]   start the run (default 3 rounds per level); returns at once
-#   bash scripts/gpu_goals.sh wait SECONDS OUT wait until the run ends or SECONDS pass; copy what it has to OUT
+#   bash scripts/gpu_goals.sh wait SECONDS OUT wait until the run ends or SECONDS pass; copy what it has to OUT,
+#                                              packed as OUT.tar (a device call returns at most 8 files), the larger
+#                                              logs xz-compressed, the runner's and the CPU sampler's raw logs left out
 #
 # Steps, in order of what the goals need most (each step's output: /tmp/goals/<step>.log):
 #   aiperf    scripts/bench_aiperf.py: the server and stack a at each of GOALS_LEVELS streams (default 64 256 16 1),
@@ -241,6 +243,12 @@ case "${1:-}" in
             grep -E "^concurrency |tok/s ratio by round:|^  c=" "$dir/aiperf.log" || true
         fi
         if [ -f "$dir/done" ]; then echo "[gpu-goals] done"; else echo "[gpu-goals] still running"; fi
+        # One file back, small enough to carry in the tree afterwards (docs/results/): the raw CPU samples and the
+        # runner's own output stay behind, what the summaries above were read from goes compressed.
+        (cd "$out" && rm -f run.log sched.log && for big in top.log *batches.log *-aiperf.log; do
+            [ -f "$big" ] && xz -9 -f "$big"; done) || true
+        tar -cf "$out.tar" -C "$(dirname "$out")" "$(basename "$out")" && rm -rf "$out"
+        echo "[gpu-goals] packed $out.tar"
         ;;
     *)
         sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'
