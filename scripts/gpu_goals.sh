@@ -38,7 +38,7 @@
 # (cpu-steal.txt). /tmp/goals/done marks the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-dir=/tmp/goals
+dir=${GOALS_DIR:-/tmp/goals}  # where the run writes (GOALS_DIR: elsewhere, e.g. for a test of `wait`)
 server=http://127.0.0.1:30000
 stack=http://127.0.0.1:8000
 

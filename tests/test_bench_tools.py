@@ -2,8 +2,11 @@
 
 import importlib.util
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -245,6 +248,29 @@ def test_aiperf_finds_the_tokenizer_folder_offline_under_its_own_repository_id(t
         bench.argparse.Namespace(model_name="m", tokenizer=str(folder), min_requests=1, requests_per_stream=1,
                                  requests_per_stream_at={}, workers_max=None), "http://127.0.0.1:8000", 1, 7, tmp_path)
     assert command[command.index("--tokenizer") + 1] == bench.TOKENIZER_REPO
+
+
+@pytest.mark.skipif(shutil.which("xz") is None, reason="xz is not installed (the GPU machine has it)")
+def test_goals_wait_prints_the_goals_and_packs_what_the_run_wrote_into_one_tar(tmp_path: Path) -> None:
+    run = tmp_path / "goals"
+    (run / "aiperf" / "warmup" / "conveyor-0").mkdir(parents=True)
+    (run / "aiperf" / "warmup" / "conveyor-0" / "aiperf.log").write_text("aiperf's own log\n")
+    (run / "progress.log").write_text("[gpu-goals 07:22:52] aiperf: ok\n")
+    (run / "aiperf.log").write_text("concurrency 16, 3 rounds\nconveyor   | tok/s ratio by round: 0.97×, 1.00×\n"
+                                    "  c=16   output tok/s ≥ 0.97×: 0.98× met\n")
+    (run / "top.log").write_text("top - 07:22:53\n" * 100)
+    (run / "run.log").write_text("the runner's own output\n")
+    (run / "done").touch()
+    out = tmp_path / "back" / "x"
+    done = subprocess.run(["bash", str(SCRIPTS / "gpu_goals.sh"), "wait", "5", str(out)], capture_output=True,
+                          text=True, env={**os.environ, "GOALS_DIR": str(run)}, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "tok/s ratio by round: 0.97×, 1.00×" in done.stdout and "c=16   output tok/s" in done.stdout
+    assert not out.exists()  # packed, not left as a folder
+    with tarfile.open(out.parent / "x.tar") as packed:
+        names = set(packed.getnames())
+    assert {"x/aiperf.log", "x/progress.log", "x/top.log.xz", "x/warmup-conveyor-0-aiperf.log.xz"} <= names
+    assert "x/run.log" not in names
 
 
 def test_sched_wait_reads_a_busy_process_cpu_and_names_it_by_its_command_line(tmp_path: Path) -> None:
