@@ -152,9 +152,11 @@ def aiperf_levels(lines: list[str]) -> list[LevelSpan]:
         if not (stamp := _AIPERF_STAMP.search(line)):
             continue
         last_s = int(stamp[1]) * 3600 + int(stamp[2]) * 60 + int(stamp[3])
-        if (level := _AIPERF_ROUND.search(line)) and not any(label == level[1] + (level[2] or "")
-                                                             for label, _, _ in starts):
-            starts.append((level[1] + (level[2] or ""), int(level[1]), last_s))
+        if not (level := _AIPERF_ROUND.search(line)):
+            continue
+        label = level[1] + (level[2] or "")
+        if label not in (seen for seen, _, _ in starts):
+            starts.append((label, int(level[1]), last_s))
     ends = [start_s for _, _, start_s in starts[1:]] + [last_s]
     return [LevelSpan(label, concurrency, start_s, end_s)
             for (label, concurrency, start_s), end_s in zip(starts, ends)]
