@@ -66,11 +66,12 @@ def parse_target(text: str) -> tuple[str, str]:
     return name, url.rstrip("/")
 
 
-def parse_level_requests(text: str) -> tuple[int, int]:
-    streams, separator, requests = text.partition("=")
-    if not separator or not streams.isdigit() or not requests.isdigit() or int(requests) < 1:
-        raise argparse.ArgumentTypeError(f"give STREAMS=REQUESTS_PER_STREAM (e.g. 16=24), not {text!r}")
-    return int(streams), int(requests)
+def parse_level_number(text: str) -> tuple[int, int]:
+    """STREAMS=N, a number of one level's own (--requests-per-stream-at, --rounds-at)."""
+    streams, separator, number = text.partition("=")
+    if not separator or not streams.isdigit() or not number.isdigit() or int(number) < 1:
+        raise argparse.ArgumentTypeError(f"give STREAMS=N with N at least 1 (e.g. 16=24), not {text!r}")
+    return int(streams), int(number)
 
 
 def aiperf_command(args: argparse.Namespace, url: str, concurrency: int, seed: int, out_dir: Path) -> list[str]:
@@ -107,9 +108,26 @@ def offline_tokenizer_cache(tokenizer_dir: Path, cache_dir: Path) -> Path:
     return cache_dir
 
 
+# Imported at start-up by every aiperf process (Python imports `sitecustomize` from its path): marks torch and
+# scikit-learn as absent, so that transformers loads the tokenizer without importing them. aiperf needs neither;
+# transformers imports both when it finds them, and on the H100 machine, where SGLang's torch is installed, that was
+# most of the 14.6 s each aiperf took to load its tokenizer (`python -X importtime`: torch 6.4 s, scikit-learn 2.7 s).
+HIDE_FROM_AIPERF = 'import sys\nfor _name in ("torch", "sklearn"):\n    sys.modules.setdefault(_name, None)\n'
+
+
+def aiperf_site(site_dir: Path) -> Path:
+    """A folder for the head of aiperf's PYTHONPATH, holding HIDE_FROM_AIPERF as its sitecustomize; the folder."""
+    site_dir.mkdir(parents=True, exist_ok=True)
+    (site_dir / "sitecustomize.py").write_text(HIDE_FROM_AIPERF)
+    return site_dir
+
+
 def aiperf_env(args: argparse.Namespace) -> dict[str, str]:
-    """aiperf's environment: offline, with the tokenizer in args.hf_cache (offline_tokenizer_cache)."""
-    return {**os.environ, "HF_HUB_CACHE": str(args.hf_cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    """aiperf's environment: offline, with the tokenizer in args.hf_cache (offline_tokenizer_cache), and torch hidden
+    by args.aiperf_site (aiperf_site)."""
+    python_path = os.pathsep.join(filter(None, [str(args.aiperf_site), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "HF_HUB_CACHE": str(args.hf_cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "PYTHONPATH": python_path}
 
 
 def start_aiperf(args: argparse.Namespace, url: str, concurrency: int, seed: int, out_dir: Path) -> subprocess.Popen:
@@ -384,9 +402,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4,
                         help=f"rounds per level (at most {MAX_ROUNDS}); even, so that each order runs as often as its "
                              "reverse")
+    parser.add_argument("--rounds-at", type=parse_level_number, action="append", default=[], metavar="STREAMS=N",
+                        help="rounds at one level, e.g. 16=5 (repeat for more levels): more rounds where the systems' "
+                             "ratio is close to a goal and a round's spread is several percent")
     parser.add_argument("--requests-per-stream", type=int, default=4,
                         help="requests per concurrent stream in a run (default 4)")
-    parser.add_argument("--requests-per-stream-at", type=parse_level_requests, action="append", default=[],
+    parser.add_argument("--requests-per-stream-at", type=parse_level_number, action="append", default=[],
                         metavar="STREAMS=N",
                         help="requests per stream at one level, e.g. 16=24 (repeat for more levels): at 4-6 a stream, "
                              "a 16-stream run is about 6 s under load, where one long straggler moves its rate by "
@@ -417,8 +438,9 @@ def main() -> None:
         parser.error("--together runs every level together; --together-from picks the levels: give one of them")
     args.model_name = args.model_name or args.tokenizer
     levels = levels_of(args.concurrency)
-    if not 1 <= args.rounds <= MAX_ROUNDS:
-        parser.error(f"--rounds must be 1 to {MAX_ROUNDS} (each round's prompts have a seed of their own)")
+    args.rounds_at = dict(args.rounds_at)
+    if not all(1 <= rounds <= MAX_ROUNDS for rounds in [args.rounds, *args.rounds_at.values()]):
+        parser.error(f"--rounds and each --rounds-at must be 1 to {MAX_ROUNDS} (each round's prompts have a seed of their own)")
     if max(level.pass_number for level in levels) > MAX_PASSES:
         parser.error(f"a level may run at most {MAX_PASSES} times in one run")
     if len({name for name, _ in args.targets}) != len(args.targets):
@@ -428,6 +450,7 @@ def main() -> None:
 
     urls = dict(args.targets)
     args.hf_cache = offline_tokenizer_cache(Path(args.tokenizer), args.out / "hf-cache")
+    args.aiperf_site = aiperf_site(args.out / "aiperf-site")
     # Warm-up prompts get seeds below every level's (Level.seed: seed_base + 1000 * concurrency + ...), so no counted
     # run finds them cached.
     # A warm-up run is one request a stream: every batch size up to the level's is stepped through as the streams
@@ -447,16 +470,17 @@ def main() -> None:
     for level in levels:
         concurrency = level.concurrency
         rounds: dict[str, list[dict[str, float]]] = {name: [] for name in urls}
-        for round_index in range(args.rounds):
+        num_rounds = args.rounds_at.get(concurrency, args.rounds)
+        for round_index in range(num_rounds):
             seed = level.seed(seed_base, round_index)
             out_dirs = {name: level.out_dir(args.out) / f"r{round_index}" / name for name in urls}
             if together_at(args, concurrency):
-                say(f"concurrency {level}, round {round_index + 1}/{args.rounds}: {', '.join(urls)} together")
+                say(f"concurrency {level}, round {round_index + 1}/{num_rounds}: {', '.join(urls)} together")
                 rows = run_together(args, urls, concurrency, seed, out_dirs)
             else:
                 rows = {}
                 for name in round_order(list(urls), round_index):
-                    say(f"concurrency {level}, round {round_index + 1}/{args.rounds}: {name}")
+                    say(f"concurrency {level}, round {round_index + 1}/{num_rounds}: {name}")
                     rows[name] = run_aiperf(args, urls[name], concurrency, seed, out_dirs[name])
             for name, row in rows.items():
                 rounds[name].append(row)

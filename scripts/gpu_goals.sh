@@ -30,8 +30,8 @@
 # GOALS_TOGETHER_FROM=N only the levels of at least N streams (the rest one system after another).
 # GOALS_REQUESTS_PER_STREAM (default 4) lengthens each aiperf run: at 4, a 64-stream run is 7-9 s under load in 40 s;
 # GOALS_REQUESTS_AT="16=24 128=12" gives those levels their own requests per stream (a 16-stream run at 6 is ~6 s
-# under load). GOALS_MIN_REQUESTS (bench_aiperf.py's default: 16) is the fewest requests of any run (one stream's, in
-# practice).
+# under load). GOALS_ROUNDS_AT="16=5 64=5" gives those levels their own number of rounds. GOALS_MIN_REQUESTS
+# (bench_aiperf.py's default: 16) is the fewest requests of any run (one stream's, in practice).
 # A step that fails is logged and the next one runs. While the run lasts, top's busiest processes are logged every
 # 2 s (top.log), so a slow round can be read against what else ran, and how long each SGLang scheduler waited for a
 # CPU (sched.log; `wait` summarizes it in sched-wait.txt), and each CPU's time stolen by the host over the run
@@ -58,6 +58,7 @@ run_step() {  # run_step NAME ROUNDS
                     --concurrency ${GOALS_LEVELS:-64 256 16 1} --rounds "$2" --workers-max 4 --out "$dir/aiperf" \
                     --requests-per-stream "${GOALS_REQUESTS_PER_STREAM:-4}" \
                     $(for level in ${GOALS_REQUESTS_AT:-}; do echo --requests-per-stream-at "$level"; done) \
+                    $(for level in ${GOALS_ROUNDS_AT:-}; do echo --rounds-at "$level"; done) \
                     ${GOALS_MIN_REQUESTS:+--min-requests "$GOALS_MIN_REQUESTS"} ${GOALS_TOGETHER:+--together} \
                     ${GOALS_TOGETHER_FROM:+--together-from "$GOALS_TOGETHER_FROM"} ;;
         ttft) step ttft python3 scripts/bench_ttft.py --model .gpu/smol "$server" "$stack" "${also_urls[@]}" ;;

@@ -181,10 +181,11 @@ def fake_aiperf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake.mkdir(parents=True)
     fake.joinpath("__init__.py").write_text("")
     fake.joinpath("__main__.py").write_text(
-        "import json, sys, time\n"
+        "import importlib.util, json, sys, time\n"
         "from pathlib import Path\n"
         "argv = sys.argv[1:]\n"
         "out = Path(argv[argv.index('--output-artifact-dir') + 1])\n"
+        "out.joinpath('torch-visible').write_text(str(importlib.util.find_spec('torch') is not None))\n"
         "port = int(argv[argv.index('--url') + 1].rsplit(':', 1)[1])\n"
         "started = time.time(); time.sleep(0.5)\n"
         "out.joinpath('ran.json').write_text(json.dumps([started, time.time()]))\n"
@@ -203,11 +204,14 @@ def test_aiperf_runs_together_overlap_in_time_and_each_keeps_its_own_summary(
     bench = _script("bench_aiperf")
     args = bench.argparse.Namespace(model_name="m", tokenizer=str(tmp_path), min_requests=16, requests_per_stream=4,
                                     requests_per_stream_at={}, workers_max=None, run_timeout_s=30.0,
-                                    hf_cache=tmp_path / "hf-cache")
+                                    hf_cache=tmp_path / "hf-cache", aiperf_site=bench.aiperf_site(tmp_path / "site"))
     urls = {"sglang": "http://127.0.0.1:30000", "conveyor": "http://127.0.0.1:8000"}
     out_dirs = {name: tmp_path / name for name in urls}
     rows = bench.run_together(args, urls, 64, 7, out_dirs)
     assert {name: row["tok/s"] for name, row in rows.items()} == {"sglang": 30000.0, "conveyor": 8000.0}
+    # torch is installed here, as on the GPU machine; aiperf is kept from importing it (its tokenizer loads faster)
+    assert importlib.util.find_spec("torch") is not None
+    assert {(out_dirs[name] / "torch-visible").read_text() for name in urls} == {"False"}
     (first_start, first_end), (second_start, second_end) = (
         json.loads((out_dirs[name] / "ran.json").read_text()) for name in urls)
     assert first_start < second_end and second_start < first_end  # the two runs overlapped
@@ -216,7 +220,7 @@ def test_aiperf_runs_together_overlap_in_time_and_each_keeps_its_own_summary(
 def test_aiperf_level_named_in_requests_per_stream_at_gets_its_own_run_length(tmp_path: Path) -> None:
     bench = _script("bench_aiperf")
     args = bench.argparse.Namespace(model_name="m", tokenizer=str(tmp_path), min_requests=32, requests_per_stream=6,
-                                    requests_per_stream_at=dict([bench.parse_level_requests("16=24")]),
+                                    requests_per_stream_at=dict([bench.parse_level_number("16=24")]),
                                     workers_max=None)
 
     def request_count(streams: int) -> int:
@@ -225,7 +229,7 @@ def test_aiperf_level_named_in_requests_per_stream_at_gets_its_own_run_length(tm
 
     assert [request_count(streams) for streams in (1, 16, 64)] == [32, 16 * 24, 64 * 6]
     with pytest.raises(bench.argparse.ArgumentTypeError):
-        bench.parse_level_requests("16")
+        bench.parse_level_number("16")
 
 
 def test_aiperf_finds_the_tokenizer_folder_offline_under_its_own_repository_id(tmp_path: Path) -> None:
@@ -237,7 +241,8 @@ def test_aiperf_finds_the_tokenizer_folder_offline_under_its_own_repository_id(t
     other.mkdir()
     other.joinpath("tokenizer.json").write_text('{"version": "other"}')
     bench.offline_tokenizer_cache(other, tmp_path / "hf-cache")  # an earlier run with --out shared, another folder
-    args = bench.argparse.Namespace(hf_cache=bench.offline_tokenizer_cache(folder, tmp_path / "hf-cache"))
+    args = bench.argparse.Namespace(hf_cache=bench.offline_tokenizer_cache(folder, tmp_path / "hf-cache"),
+                                    aiperf_site=bench.aiperf_site(tmp_path / "site"))
     # How aiperf resolves a tokenizer offline: the repository's snapshot in the HF cache, no network.
     lookup = ("import sys, huggingface_hub\n"
               "print(huggingface_hub.snapshot_download(sys.argv[1], local_files_only=True))")
@@ -487,19 +492,21 @@ def test_aiperf_too_many_rounds_for_fresh_seeds_is_refused() -> None:
         [sys.executable, str(SCRIPTS / "bench_aiperf.py"), "--tokenizer", ".", "--rounds", "100",
          "sglang=http://127.0.0.1:30000"], capture_output=True, text=True, timeout=30)
     assert completed.returncode == 2
-    assert "--rounds must be 1 to 99" in completed.stderr
+    assert "--rounds and each --rounds-at must be 1 to 99" in completed.stderr
 
 
 def test_aiperf_together_from_runs_many_streams_at_once_and_one_stream_in_turn(tmp_path: Path,
                                                                               fake_aiperf: None) -> None:
     completed = subprocess.run(
         [sys.executable, str(SCRIPTS / "bench_aiperf.py"), "--tokenizer", str(tmp_path), "--together-from", "4",
-         "--concurrency", "4", "1", "--rounds", "2", "sglang=http://127.0.0.1:30000",
+         "--concurrency", "4", "1", "--rounds", "2", "--rounds-at", "1=3", "sglang=http://127.0.0.1:30000",
          "conveyor=http://127.0.0.1:29400", "--out", str(tmp_path / "out")],
         capture_output=True, text=True, timeout=90, check=True)
     assert "warm-up 1/1 at concurrency 4: together" in completed.stderr
     assert "concurrency 4, round 2/2: sglang, conveyor together" in completed.stderr
-    assert "concurrency 1, round 2/2: conveyor" in completed.stderr  # one after another, the order reversed
+    assert "concurrency 4, round 3/" not in completed.stderr
+    assert "concurrency 1, round 2/3: conveyor" in completed.stderr  # one after another, the order reversed
+    assert "concurrency 1, round 3/3: sglang" in completed.stderr  # its own number of rounds (--rounds-at 1=3)
     assert "c=4    output tok/s ≥ 0.97×: 0.98× met" in completed.stdout  # 29400 / 30000
     assert "c=1    TTFT p50 added ≤ 3 ms: +0.0 ms met" in completed.stdout
     assert "no per-request records (profile_export.jsonl missing)" in completed.stderr  # said, not an error
