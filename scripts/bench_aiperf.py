@@ -440,7 +440,8 @@ def main() -> None:
     levels = levels_of(args.concurrency)
     args.rounds_at = dict(args.rounds_at)
     if not all(1 <= rounds <= MAX_ROUNDS for rounds in [args.rounds, *args.rounds_at.values()]):
-        parser.error(f"--rounds and each --rounds-at must be 1 to {MAX_ROUNDS} (each round's prompts have a seed of their own)")
+        parser.error(f"--rounds and each --rounds-at must be 1 to {MAX_ROUNDS} "
+                     "(each round's prompts have a seed of their own)")
     if max(level.pass_number for level in levels) > MAX_PASSES:
         parser.error(f"a level may run at most {MAX_PASSES} times in one run")
     if len({name for name, _ in args.targets}) != len(args.targets):
