@@ -94,10 +94,15 @@ run_all() {
     top -b -c -d 2 -w 200 | awk "$keep" > "$dir/top.log" 2>&1 &
     local monitor=$!
     # Which processes hold a context on the GPU (a context that launches work time-slices the GPU with the engine's):
-    # each with its command line.
-    nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>/dev/null | while IFS=, read -r pid memory; do
-        echo "$pid,$memory, $(tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | cut -c1-150)"
-    done > "$dir/gpu-apps.log" || true
+    # each with its GPU and command line, after the GPUs themselves (systems on GPUs of their own compare only where
+    # the GPUs are alike: their clocks and power limits).
+    { nvidia-smi --query-gpu=index,uuid,name,clocks.max.sm,clocks.sm,power.limit,temperature.gpu --format=csv \
+          2>/dev/null
+      nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory --format=csv,noheader 2>/dev/null \
+          | while IFS=, read -r pid gpu memory; do
+              echo "$pid,$gpu,$memory, $(tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | cut -c1-150)"
+          done
+    } > "$dir/gpu-apps.log" || true
     # How long each SGLang scheduler waited for a CPU while it had work (scripts/sched_wait.py).
     bash scripts/gpu_run.sh python3 scripts/sched_wait.py --out "$dir/sched.log" > "$dir/sched-wait.err" 2>&1 &
     local sampler=$!

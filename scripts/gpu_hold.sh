@@ -10,7 +10,13 @@
 #   bash scripts/gpu_hold.sh stack b [VAR=V]   a second one: gateway :8001, metrics :9111 (decode :9112), NATS :4223, 50%
 #   bash scripts/gpu_hold.sh stop a|b          stop that stack and wait until it has exited (to start it again with
 #                                              other settings in the same lease: an A/B with the settings swapped)
+#   bash scripts/gpu_hold.sh ready server|server2|a|b
+#                                              wait until that part answers (one started with HOLD_WAIT=0)
 #
+# HOLD_WAIT=0 returns as soon as the part is started, without waiting for it to answer: on a machine of two GPUs the
+# server and a stack load at the same time (a later call runs `ready`). CUDA_VISIBLE_DEVICES=N in front of a command
+# puts that part on GPU N: on an nvidia-h100-x2 lease the server on GPU 0 and stack a on GPU 1 run at the same time
+# without time-slicing one GPU (docs/gpu.md, fortieth stop).
 # VAR=V settings go to the stack's environment, e.g. CONVEYOR_SGLANG_PREFILL_BUDGET_TOKENS=2048; DECODE_ARGS in
 # this script's own environment goes to the decode worker's command line, e.g. DECODE_ARGS='--migration-limit 0';
 # GATEWAY_WORKERS=N starts N gateway processes on the stack's port (`conveyor gateway --workers N`).
@@ -43,6 +49,16 @@ wait_for() {  # wait_for WHAT SECONDS PIDFILE COMMAND...: poll until COMMAND suc
     return 1
 }
 
+wait_for_server() {  # wait_for_server NAME PORT
+    wait_for "$1" 300 "/tmp/$1.pid" curl -sf "http://127.0.0.1:$2/v1/models" || { tail -20 "/tmp/$1.log"; exit 1; }
+}
+
+wait_for_stack() {  # wait_for_stack a|b
+    wait_for "conveyor stack $1" 300 "/tmp/conveyor-$1.pid" grep -q "ready at" "/tmp/conveyor-$1.log" \
+        || { tail -20 "/tmp/conveyor-$1.log"; exit 1; }
+    grep "ready at" "/tmp/conveyor-$1.log"
+}
+
 case "${1:-}" in
     server|server2)
         # The second server is started after the first (and any stack): SGLang checks its fraction against the memory
@@ -56,7 +72,8 @@ case "${1:-}" in
             --max-total-tokens "$POOL_TOKENS" \
             --sleep-on-idle "$@" \
             > "/tmp/$name.log" 2>&1 < /dev/null & echo $! > "/tmp/$name.pid")
-        wait_for "$name" 300 "/tmp/$name.pid" curl -sf "http://127.0.0.1:$port/v1/models" || { tail -20 "/tmp/$name.log"; exit 1; }
+        if [ "${HOLD_WAIT:-1}" = 0 ]; then echo "[gpu-hold] $name started (not waited for)"; exit 0; fi
+        wait_for_server "$name" "$port"
         ;;
     stack)
         name=${2:?"stack a or stack b"}
@@ -80,9 +97,16 @@ case "${1:-}" in
         (env CONVEYOR_SGLANG_EXTRA_SERVER_ARGS="$engine" "$@" setsid nohup bash scripts/gpu_run.sh \
             python3 scripts/bench_vs_sglang.py conveyor --model .gpu/smol --max-running-requests "$MAX_RUNNING" \
             "${options[@]}" > "/tmp/conveyor-$name.log" 2>&1 < /dev/null & echo $! > "/tmp/conveyor-$name.pid")
-        wait_for "conveyor stack $name" 300 "/tmp/conveyor-$name.pid" grep -q "ready at" "/tmp/conveyor-$name.log" \
-            || { tail -20 "/tmp/conveyor-$name.log"; exit 1; }
-        grep "ready at" "/tmp/conveyor-$name.log"
+        if [ "${HOLD_WAIT:-1}" = 0 ]; then echo "[gpu-hold] conveyor stack $name started (not waited for)"; exit 0; fi
+        wait_for_stack "$name"
+        ;;
+    ready)
+        case "${2:-}" in
+            server) wait_for_server sglang-server 30000 ;;
+            server2) wait_for_server sglang-server2 30001 ;;
+            a|b) wait_for_stack "$2" ;;
+            *) echo "[gpu-hold] ready server|server2|a|b" >&2; exit 2 ;;
+        esac
         ;;
     stop)
         name=${2:?"stop a or stop b"}
@@ -95,7 +119,7 @@ case "${1:-}" in
         echo "[gpu-hold] conveyor stack $name stopped"
         ;;
     *)
-        sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'
+        awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"  # this header
         exit 2
         ;;
 esac
