@@ -445,6 +445,9 @@ def test_aiperf_goals_are_read_off_each_level_with_the_ones_that_apply_there() -
         "output tok/s ≥ 0.97×: 0.98× met (0.99×)", "ITL p99 ≤ 1.05×: 0.90× met (1.01×)",
         "TTFT p99 ≤ 1.2×: 1.25× NOT met"]
     assert len(goal_lines(256, row(100, 1, 1, 1), row(100, 1, 1, 1), by_round)) == 2  # no first-token goal at 256
+    # Where two places would read as the goal itself, three say which side of it the ratio is.
+    assert goal_lines(16, row(96.9, 1, 1, 2.098), row(100, 1, 1, 2.0), by_round)[:2] == [
+        "output tok/s ≥ 0.97×: 0.969× NOT met (0.99×)", "ITL p99 ≤ 1.05×: 1.049× met (1.01×)"]
 
 
 def test_aiperf_goals_give_the_median_of_each_round_s_own_ratio_beside_the_ratio_of_medians(
