@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import structlog
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 from pydantic import ValidationError
@@ -157,10 +156,15 @@ async def registry_changes(bucket: KeyValue, quiet_limit_s: float) -> AsyncItera
     watcher = await bucket.watchall()
     try:
         while True:
+            # Not nats-py's `updates(timeout=...)`: its `asyncio.wait_for` (Python 3.11) can return an entry that came
+            # with a cancel and drop the cancel, and a worker stopping then waited 5 s for this watch, in vain.
             try:
-                entry = await watcher.updates(timeout=quiet_limit_s)
-            except NatsTimeoutError as error:
+                async with asyncio.timeout(quiet_limit_s):
+                    entry = await anext(watcher)
+            except TimeoutError as error:
                 raise TimeoutError(f"no registry change for {quiet_limit_s} s") from error
+            except StopAsyncIteration:  # the watcher was stopped
+                return
             if entry is None:  # the end of the cards as they were when the watch began
                 continue
             if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:

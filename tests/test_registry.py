@@ -232,3 +232,32 @@ async def test_a_followed_view_reads_the_registry_while_its_watch_is_quiet(bus: 
     finally:
         await stop_tasks([follower])
         await registration.close()
+
+
+async def test_a_followed_view_stops_at_once_when_cancelled_while_cards_keep_coming(bus: Bus) -> None:
+    # A cancel that lands while a change is arriving must still stop the watch. nats-py's `updates(timeout=...)`
+    # (asyncio.wait_for on Python 3.11) returned the change and dropped the cancel: the watch ran on, and a worker
+    # stopping waited 5 s for it (stop_tasks' limit) before leaving it running.
+    writing = True
+
+    async def write_cards() -> None:
+        index = 0
+        while writing:
+            index += 1
+            await bus.registry.put(f"busy-{index % 4}", encode(card(f"busy-{index % 4}", Stage.DECODE)))
+
+    writer = asyncio.create_task(write_cards())
+    lingering = []
+    try:
+        for attempt in range(40):
+            _, follower = followed_view(bus, [])
+            await asyncio.sleep(0.02 + 0.001 * (attempt % 7))  # the watch is running, changes coming in
+            follower.cancel()
+            done, _ = await asyncio.wait([follower], timeout=1.0)
+            if not done:
+                lingering.append(attempt)
+                await stop_tasks([follower], timeout_s=0.1)
+    finally:
+        writing = False
+        await writer
+    assert lingering == []
