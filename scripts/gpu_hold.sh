@@ -49,8 +49,14 @@ wait_for() {  # wait_for WHAT SECONDS PIDFILE COMMAND...: poll until COMMAND suc
     return 1
 }
 
-wait_for_server() {  # wait_for_server NAME PORT
-    wait_for "$1" 300 "/tmp/$1.pid" curl -sf "http://127.0.0.1:$2/v1/models" || { tail -20 "/tmp/$1.log"; exit 1; }
+server_part() {  # server_part server|server2: sets name, port and fraction (of the GPU) of that server
+    if [ "$1" = server ]; then name=sglang-server port=30000 fraction=0.35; else name=sglang-server2 port=30001 fraction=0.5; fi
+}
+
+wait_for_server() {  # wait_for_server server|server2
+    server_part "$1"
+    wait_for "$name" 300 "/tmp/$name.pid" curl -sf "http://127.0.0.1:$port/v1/models" \
+        || { tail -20 "/tmp/$name.log"; exit 1; }
 }
 
 wait_for_stack() {  # wait_for_stack a|b
@@ -63,7 +69,8 @@ case "${1:-}" in
     server|server2)
         # The second server is started after the first (and any stack): SGLang checks its fraction against the memory
         # it finds free, as a stack b does.
-        if [ "$1" = server ]; then name=sglang-server port=30000 fraction=0.35; else name=sglang-server2 port=30001 fraction=0.5; fi
+        part=$1
+        server_part "$part"
         shift
         bash scripts/gpu_run.sh true  # unpack first, so the held process does not race the next call's unpacking
         (setsid nohup bash scripts/gpu_run.sh python3 -m sglang.launch_server --model-path .gpu/smol \
@@ -73,7 +80,7 @@ case "${1:-}" in
             --sleep-on-idle "$@" \
             > "/tmp/$name.log" 2>&1 < /dev/null & echo $! > "/tmp/$name.pid")
         if [ "${HOLD_WAIT:-1}" = 0 ]; then echo "[gpu-hold] $name started (not waited for)"; exit 0; fi
-        wait_for_server "$name" "$port"
+        wait_for_server "$part"
         ;;
     stack)
         name=${2:?"stack a or stack b"}
@@ -102,8 +109,7 @@ case "${1:-}" in
         ;;
     ready)
         case "${2:-}" in
-            server) wait_for_server sglang-server 30000 ;;
-            server2) wait_for_server sglang-server2 30001 ;;
+            server|server2) wait_for_server "$2" ;;
             a|b) wait_for_stack "$2" ;;
             *) echo "[gpu-hold] ready server|server2|a|b" >&2; exit 2 ;;
         esac
