@@ -161,10 +161,11 @@ case "${1:-}" in
         this_run /tmp/sglang-server.log > "$out/server-batches.log" || true
         this_run /tmp/a/bench-vs-sglang-conveyor/*.log > "$out/conveyor-batches.log" || true
         engines=(server="$out/server-batches.log" conveyor="$out/conveyor-batches.log")
-        if [ -d /tmp/b/bench-vs-sglang-conveyor ]; then  # stack b, when held (GOALS_ALSO=b=...)
-            this_run /tmp/b/bench-vs-sglang-conveyor/*.log > "$out/b-batches.log" || true
-            [ -s "$out/b-batches.log" ] && engines+=(b="$out/b-batches.log")
-        fi
+        for other in b c; do  # stacks b and c, when held (GOALS_ALSO="b=... c=...")
+            [ -d "/tmp/$other/bench-vs-sglang-conveyor" ] || continue
+            this_run /tmp/$other/bench-vs-sglang-conveyor/*.log > "$out/$other-batches.log" || true
+            [ -s "$out/$other-batches.log" ] && engines+=("$other=$out/$other-batches.log")
+        done
         if [ -f /tmp/sglang-server2.log ]; then  # a second server, when held (gpu_hold.sh server2)
             this_run /tmp/sglang-server2.log > "$out/server2-batches.log" || true
             [ -s "$out/server2-batches.log" ] && engines+=(server2="$out/server2-batches.log")
@@ -172,7 +173,7 @@ case "${1:-}" in
         # The decode workers' own counts: KV-event batches relayed (SGLang's events reach the stream) and canaries
         # by outcome (under steady load there should be none but the first).
         rm -f "$out/decode-counters.txt"
-        for stack_port in a=9102 b=9112; do
+        for stack_port in a=9102 b=9112 c=9122; do
             curl -sf "http://127.0.0.1:${stack_port#*=}/metrics" 2>/dev/null \
                 | grep -E '^conveyor_(kv_event_batches|canaries)_total' | sed "s/^/${stack_port%=*}: /" \
                 >> "$out/decode-counters.txt" || true

@@ -8,9 +8,11 @@
 #                                              e.g. with a stack's engine settings as a control beside the first
 #   bash scripts/gpu_hold.sh stack a [VAR=V]   a Conveyor stack: gateway :8000, metrics :9101 (decode :9102), 40% of the GPU
 #   bash scripts/gpu_hold.sh stack b [VAR=V]   a second one: gateway :8001, metrics :9111 (decode :9112), NATS :4223, 50%
-#   bash scripts/gpu_hold.sh stop a|b          stop that stack and wait until it has exited (to start it again with
+#   bash scripts/gpu_hold.sh stack c [VAR=V]   a third: gateway :8002, metrics :9121 (decode :9122), NATS :4224, 50% (on
+#                                              a machine of several GPUs, each stack on a GPU of its own)
+#   bash scripts/gpu_hold.sh stop a|b|c        stop that stack and wait until it has exited (to start it again with
 #                                              other settings in the same lease: an A/B with the settings swapped)
-#   bash scripts/gpu_hold.sh ready server|server2|a|b
+#   bash scripts/gpu_hold.sh ready server|server2|a|b|c
 #                                              wait until that part answers (one started with HOLD_WAIT=0)
 #
 # HOLD_WAIT=0 returns as soon as the part is started, without waiting for it to answer: on a machine of two GPUs the
@@ -83,12 +85,13 @@ case "${1:-}" in
         wait_for_server "$part"
         ;;
     stack)
-        name=${2:?"stack a or stack b"}
+        name=${2:?"stack a, b or c"}
         shift 2
         case "$name" in
             a) options=(--conveyor-mem-fraction 0.4 --out /tmp/a) ;;
             b) options=(--conveyor-mem-fraction 0.5 --nats-port 4223 --gateway-port 8001 --metrics-port 9111 --out /tmp/b) ;;
-            *) echo "[gpu-hold] a stack is named a or b" >&2; exit 2 ;;
+            c) options=(--conveyor-mem-fraction 0.5 --nats-port 4224 --gateway-port 8002 --metrics-port 9121 --out /tmp/c) ;;
+            *) echo "[gpu-hold] a stack is named a, b or c" >&2; exit 2 ;;
         esac
         if [ -n "${DECODE_ARGS:-}" ]; then options+=(--decode-args "$DECODE_ARGS"); fi
         if [ -n "${GATEWAY_WORKERS:-}" ]; then options+=(--gateway-workers "$GATEWAY_WORKERS"); fi
@@ -110,12 +113,12 @@ case "${1:-}" in
     ready)
         case "${2:-}" in
             server|server2) wait_for_server "$2" ;;
-            a|b) wait_for_stack "$2" ;;
-            *) echo "[gpu-hold] ready server|server2|a|b" >&2; exit 2 ;;
+            a|b|c) wait_for_stack "$2" ;;
+            *) echo "[gpu-hold] ready server|server2|a|b|c" >&2; exit 2 ;;
         esac
         ;;
     stop)
-        name=${2:?"stop a or stop b"}
+        name=${2:?"stop a, b or c"}
         # The brackets keep the pattern from matching this script's own command line.
         pattern="bench_vs_sglang[.]py conveyor .*--out /tmp/$name( |$)"
         pkill -TERM -f "$pattern" || { echo "[gpu-hold] no stack $name running" >&2; exit 1; }

@@ -15,7 +15,7 @@ instead of argued.
     python3 scripts/profile_processes.py $(python3 scripts/sched_wait.py --list) --when-busy server --duration-s 15
 
 Each scheduler is named by the first --label whose pattern appears in its own or an ancestor's command line, nearest
-ancestor first (defaults: gpu_hold.sh's server and stacks a and b); others by their pid. `scripts/gpu_goals.sh` runs
+ancestor first (defaults: gpu_hold.sh's server and stacks a, b and c); others by their pid. `scripts/gpu_goals.sh` runs
 it beside every run and writes the summary to sched-wait.txt. Linux only.
 """
 
@@ -35,7 +35,8 @@ from workers.engines.cpu_pinning import SCHEDULER_TITLE, parent_pid, user_proces
 
 PROC = Path("/proc")
 # The second server (gpu_hold.sh server2) is told apart by its port, so its pattern goes first.
-DEFAULT_LABELS = ["server2=--port 30001", "server=sglang.launch_server", "b=--out /tmp/b", "conveyor=--out /tmp/a"]
+DEFAULT_LABELS = ["server2=--port 30001", "server=sglang.launch_server", "b=--out /tmp/b", "c=--out /tmp/c",
+                  "conveyor=--out /tmp/a"]
 
 
 @dataclass(frozen=True)
