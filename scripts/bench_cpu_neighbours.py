@@ -18,6 +18,14 @@ drift over the run does not read as an effect.
 
 Prints, per kind and number of busy cores, the median rate and its ratio to the idle machine's, with the measured
 CPU's clock where /sys or /proc/cpuinfo tell it. Linux only (CPU affinity).
+
+`--survey` instead times the same workload on each CPU in turn, the rest of the machine as it is (idle at a lease's
+start): is a CPU slower than the others? The decode worker holds its SGLang scheduler on the highest-numbered whole
+cores (workers/engines/cpu_pinning.py), so a slow CPU there would slow only the stack's engine; on an H100 machine
+with a GPU each, the stack's SGLang stepped 0.94x the server's at one running request (docs/performance.md,
+forty-first stop). Those CPUs are marked in the table.
+
+    bash scripts/gpu_run.sh python3 scripts/bench_cpu_neighbours.py --survey
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from isolate_schedulers import physical_cores  # noqa: E402  — the machine's cores, hyperthread siblings together
+
+from workers.engines.cpu_pinning import CPUS_PER_SCHEDULER, MAX_SHARE  # noqa: E402  (isolate_schedulers set the path)
 
 SETTLE_S = 0.3  # helpers reach full speed (and the clock its new level) before the window opens
 MEMORY_BUFFER_BYTES = 256 * 1024 * 1024  # far beyond any last-level cache here
@@ -128,7 +138,13 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", choices=["spin", "memory"], default=["spin", "memory"])
     parser.add_argument("--rounds", type=int, default=3, help="forward-then-reverse passes over the levels")
     parser.add_argument("--window-s", type=float, default=1.5, help="seconds each reading counts")
+    parser.add_argument("--survey", action="store_true",
+                        help="time the workload on each CPU in turn instead (--rounds passes, --window-s each; "
+                             "try --window-s 0.3)")
     args = parser.parse_args()
+    if args.survey:
+        survey(args.rounds, args.window_s)
+        return
 
     allowed = os.sched_getaffinity(0)
     cores = [[cpu for cpu in core if cpu in allowed] for core in physical_cores()]
@@ -147,6 +163,48 @@ def main() -> None:
                 print(f"[cpu-neighbours] round {round_index + 1}: {kind} x{level}: "
                       f"{reading.rounds_per_s:,.0f} rounds/s{clock}", flush=True)
     report(readings, args.kinds, levels)
+
+
+def survey(rounds: int, window_s: float) -> None:
+    """Each allowed CPU's rate for the workload, median over `rounds` passes (forward, then reversed, so a drift over
+    the run does not read as a CPU's), and its ratio to the median CPU's."""
+    cpus = sorted(os.sched_getaffinity(0))
+    held = cpus_a_scheduler_would_hold(cpus)
+    print(f"[cpu-survey] {len(cpus)} CPUs, {rounds} passes of {window_s} s each; a stack's first scheduler would be "
+          f"held on {held}", flush=True)
+    rates: dict[int, list[float]] = {cpu: [] for cpu in cpus}
+    try:
+        for round_index in range(rounds):
+            for cpu in cpus if round_index % 2 == 0 else cpus[::-1]:
+                rates[cpu].append(rounds_per_s(cpu, window_s))
+    finally:
+        os.sched_setaffinity(0, cpus)  # rounds_per_s held this process on the CPU it timed
+    medians = {cpu: statistics.median(values) for cpu, values in rates.items()}
+    middle = statistics.median(medians.values())
+    print("\nthe scheduler-like workload on each CPU (median over passes; ratio to the median CPU's)")
+    print(f"{'cpu':>4} {'rounds/s':>10} {'ratio':>7} {'spread':>7} {'clock MHz':>10}  held")
+    for cpu in cpus:
+        spread = (max(rates[cpu]) - min(rates[cpu])) / medians[cpu] if medians[cpu] else 0.0
+        clock = clock_mhz(cpu)
+        clock_text = f"{clock:>10.0f}" if clock else f"{'-':>10}"
+        mark = "  *" if cpu in held else ""
+        print(f"{cpu:>4} {medians[cpu]:>10,.0f} {medians[cpu] / middle:>6.2f}x {spread:>6.0%} {clock_text}{mark}")
+    if held:
+        held_rate = statistics.median(medians[cpu] for cpu in held)
+        print(f"held CPUs {held}: {held_rate / middle:.2f}x the median CPU")
+
+
+def cpus_a_scheduler_would_hold(allowed: list[int]) -> list[int]:
+    """The CPUs the decode worker's first scheduler takes on this machine (cpu_pinning.claim_cores, no other worker
+    holding any): whole cores from the highest-numbered down, until there are CPUS_PER_SCHEDULER."""
+    if CPUS_PER_SCHEDULER > len(allowed) * MAX_SHARE:
+        return []
+    held: list[int] = []
+    for core in reversed(physical_cores(set(allowed))):
+        if len(held) >= CPUS_PER_SCHEDULER:
+            break
+        held.extend(core)
+    return sorted(held)
 
 
 def report(readings: list[Reading], kinds: list[str], levels: list[int]) -> None:

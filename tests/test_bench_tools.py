@@ -551,3 +551,19 @@ def test_sglang_steps_by_level_read_each_pass_of_an_aiperf_run_apart(tmp_path: P
     assert "1.00x" in tables[0].splitlines()[-1]
     assert "1.00x" in tables[1].splitlines()[-1]
     assert "0.50x" in tables[2].splitlines()[-1]
+
+
+def test_cpu_survey_times_every_allowed_cpu_and_marks_those_a_scheduler_would_hold(capsys) -> None:
+    neighbours = _script("bench_cpu_neighbours")
+    allowed = sorted(os.sched_getaffinity(0))
+    neighbours.survey(rounds=2, window_s=0.02)
+    out = capsys.readouterr().out
+    assert sorted(os.sched_getaffinity(0)) == allowed  # the survey leaves this process where it found it
+    rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
+    assert [int(row[0]) for row in rows] == allowed
+    assert all(float(row[1].replace(",", "")) > 0 for row in rows)
+    held = neighbours.cpus_a_scheduler_would_hold(allowed)
+    assert [int(row[0]) for row in rows if row[-1] == "*"] == held
+    # What cpu_pinning would claim: none on a machine too small to spare them, else the highest-numbered whole cores.
+    if held:
+        assert max(held) == max(allowed)
