@@ -29,8 +29,10 @@ log = structlog.get_logger(__name__)
 
 async def sleep_unless(stop: asyncio.Event, seconds: float) -> bool:
     """Sleep `seconds`; True if `stop` was set meanwhile (the loop should end)."""
+    # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancel that arrives as the wait ends.
     try:
-        await asyncio.wait_for(stop.wait(), timeout=seconds)
+        async with asyncio.timeout(seconds):
+            await stop.wait()
     except TimeoutError:
         return False
     return True

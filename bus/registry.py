@@ -87,8 +87,10 @@ class Registration:
         while not await sleep_unless(self._closing, self._refresh_s):
             try:
                 # One beat at most: a put to a stream that lost its leader waits the client's whole
-                # timeout (5 s, more than the TTL), and the card must be back as soon as a leader is.
-                await asyncio.wait_for(self._write(), timeout=self._refresh_s)
+                # timeout (5 s, more than the TTL), and the card must be back as soon as a leader is. (Not wait_for:
+                # on Python 3.11 it drops a cancel that arrives as the write ends, and close() waited for the loop.)
+                async with asyncio.timeout(self._refresh_s):
+                    await self._write()
             except Exception as error:  # NATS briefly away: the next beat tries again
                 log.warning("registry.refresh_failed", error=repr(error))
 

@@ -6,9 +6,10 @@ import asyncio
 import os
 import time
 
+import pytest
 from nats.js.api import KeyValueConfig
 
-from bus.lifecycle import stop_tasks
+from bus.lifecycle import sleep_unless, stop_tasks
 from bus.registry import Registration, RegistryView, live_workers, ready_models, registry_changes
 from schemas.codec import WIRE_VERSION, encode
 from schemas.registry import ServingMode, Stage, WorkerCard
@@ -261,3 +262,22 @@ async def test_a_followed_view_stops_at_once_when_cancelled_while_cards_keep_com
         writing = False
         await writer
     assert lingering == []
+
+
+async def test_a_beat_sleep_cancelled_as_its_stop_is_set_is_cancelled() -> None:
+    # The stop's wake-up runs first, then the cancel: asyncio.wait_for on Python 3.11 returned the stop's result there
+    # and dropped the cancel, so a loop sleeping between beats (a registration's, a worker's) ran on after stop_tasks.
+    stop = asyncio.Event()
+    sleeper = asyncio.create_task(sleep_unless(stop, 10.0))
+    await asyncio.sleep(0)  # the sleep is waiting
+    stop.set()
+    sleeper.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await sleeper
+
+
+async def test_a_beat_sleep_says_whether_it_was_stopped() -> None:
+    stop = asyncio.Event()
+    assert await sleep_unless(stop, 0.01) is False
+    asyncio.get_running_loop().call_later(0.01, stop.set)
+    assert await sleep_unless(stop, 10.0) is True
