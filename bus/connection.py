@@ -49,8 +49,8 @@ async def connect(settings: NatsSettings, name: str, on_reconnected: Callback | 
             await on_reconnected()
 
     try:
-        client = await asyncio.wait_for(_connect(settings, name, on_disconnect, on_reconnect, errors.on_error),
-                                        timeout=settings.initial_connect_timeout_s)
+        async with asyncio.timeout(settings.initial_connect_timeout_s):  # not wait_for: see bus/lifecycle.py
+            client = await _connect(settings, name, on_disconnect, on_reconnect, errors.on_error)
     except Exception as error:
         # nats-py retries unreachable servers, or raises a bare NoServersError: one sentence with the fix instead.
         cause = errors.last or repr(error)
