@@ -102,6 +102,12 @@ run_all() {
           | while IFS=, read -r pid gpu memory; do
               echo "$pid,$gpu,$memory, $(tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | cut -c1-150)"
           done
+      # Which CPUs each GPU is near, the CPUs' cores and nodes, and where each scheduler may run (a held one on
+      # two CPUs: is it near its GPU, and on a core of its own? docs/performance.md, forty-first stop).
+      nvidia-smi topo -m 2>/dev/null
+      lscpu -e=CPU,NODE,SOCKET,CORE 2>/dev/null
+      for pid in $(pgrep -f '^sglang::scheduler'); do echo "scheduler $pid may run on CPUs $(taskset -cp "$pid" 2>/dev/null \
+          | sed 's/.*: //')"; done
     } > "$dir/gpu-apps.log" || true
     # How long each SGLang scheduler waited for a CPU while it had work (scripts/sched_wait.py).
     bash scripts/gpu_run.sh python3 scripts/sched_wait.py --out "$dir/sched.log" > "$dir/sched-wait.err" 2>&1 &
@@ -209,7 +215,7 @@ case "${1:-}" in
                 { echo "$1:"; python3 scripts/steps_around_canaries.py "$out" "${@:2}"; } \
                     >> "$out/canary-split.txt" 2>&1 || true
             }
-            for stack in conveyor b; do
+            for stack in conveyor b c; do
                 [ -s "$out/$stack-batches.log" ] || continue
                 split_rounds "$stack" --stack "$stack"
                 # Against SGLang's own server given the stack's engine settings, where one ran: what SGLang charges
@@ -234,11 +240,12 @@ case "${1:-}" in
             # The two engines' settings, where they differ (each logs them at start when at info).
             python3 scripts/sglang_args_diff.py /tmp/sglang-server.log /tmp/a/bench-vs-sglang-conveyor/decode.log \
                 > "$out/engine-args-diff.txt" 2>&1 || true
-            if [ -f /tmp/b/bench-vs-sglang-conveyor/decode.log ]; then  # stack b's against stack a's
-                { echo "stack a | stack b:"; python3 scripts/sglang_args_diff.py \
-                    /tmp/a/bench-vs-sglang-conveyor/decode.log /tmp/b/bench-vs-sglang-conveyor/decode.log
+            for other in b c; do  # stacks b's and c's against stack a's
+                [ -f "/tmp/$other/bench-vs-sglang-conveyor/decode.log" ] || continue
+                { echo "stack a | stack $other:"; python3 scripts/sglang_args_diff.py \
+                    /tmp/a/bench-vs-sglang-conveyor/decode.log "/tmp/$other/bench-vs-sglang-conveyor/decode.log"
                 } >> "$out/engine-args-diff.txt" 2>&1 || true
-            fi
+            done
             if [ -f /tmp/sglang-server2.log ]; then  # the second server's against the first's
                 { echo "server | server2:"; python3 scripts/sglang_args_diff.py /tmp/sglang-server.log /tmp/sglang-server2.log
                 } >> "$out/engine-args-diff.txt" 2>&1 || true

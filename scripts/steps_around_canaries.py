@@ -145,7 +145,7 @@ def main() -> None:
     parser.add_argument("run_dirs", type=Path, nargs="+",
                         help="gpu_goals.sh result folders (server-batches.log[.xz] and more); with several, the "
                              "medians over all their rounds follow")
-    parser.add_argument("--stack", default="conveyor", help="which stack's batch log: conveyor (stack a) or b")
+    parser.add_argument("--stack", default="conveyor", help="which stack's batch log: conveyor (stack a), b or c")
     parser.add_argument("--against", default="server", help="the engine it is compared with: server, or server2 "
                         "(a second SGLang server started with the stack's engine settings: what SGLang alone does "
                         "with them)")
