@@ -22,6 +22,14 @@ tokenizer manager dispatching the request to its scheduler, and receiving the fi
 The decode worker's SGLang gets CONVEYOR_SGLANG_* from the environment (default here: 30% of the GPU, page 16,
 asleep while idle).
 
+`--load-streams N` keeps N other streams running through the same pipeline meanwhile (each a fresh request of
+`--load-tokens` tokens as soon as its last ended): which hops grow when the stages are busy, as at 16 streams (the
+stack's first token read +5 ms over the server's there on the H100, docs/performance.md). Under load the three points
+stamped without a request id (on the socket, the first frame out) cannot be told apart from the load's and are left
+out: their spans read as one.
+
+    .venv/bin/python scripts/trace_hops.py --requests 200 --load-streams 16
+
 The workers and the gateway keep their loops warm for CONVEYOR_STAY_WARM_S (default 10 s) after work, as every
 deployment's do; `CONVEYOR_STAY_WARM_S=0` in the environment measures them cold. `--keep-warm-ms N` (the experiment
 that came before that setting) also wakes this client's loop, and each worker's consumer, every N ms.
@@ -62,11 +70,18 @@ ENGINE_CLASSES = {"mock": ("workers.engines.mock", "MockEngine"),
                   "sglang": ("workers.engines.sglang_engine", "SGLangEngine")}
 
 
-def points_of(engine: str) -> list[str]:
+# Stamped without a request id (nats-py's socket parse; frames leave in batches): found as the first stamp after the
+# request's point before them, which another stream's stamp may be.
+UNNAMED_POINTS = ("processor.socket", "decode.socket", "first_frame_out")
+TRACED_PREFIX = "hop"  # the traced requests' ids; the load's start otherwise
+
+
+def points_of(engine: str, loaded: bool = False) -> list[str]:
+    points = [point for point in POINTS if not (loaded and point in UNNAMED_POINTS)]
     if engine != "sglang":
-        return POINTS
-    at = POINTS.index("engine.first_token")
-    return POINTS[:at] + SGLANG_POINTS + POINTS[at:]
+        return points
+    at = points.index("engine.first_token")
+    return points[:at] + SGLANG_POINTS + points[at:]
 
 
 # ----- in each worker process: wrap the path's functions, then run the worker ---------------------------------------
@@ -336,6 +351,20 @@ async def drive(args: argparse.Namespace, trace_dir: Path) -> tuple[dict[str, di
                     first_s = time.time()
         client_points[request_id].update(submit=submitted_s, client_first=first_s)
 
+    async def keep_streaming(client: Any, model: str, stream_index: int, stop: asyncio.Event) -> int:
+        """One load stream: a request of --load-tokens tokens after another until `stop`; how many ended."""
+        load_rng, ended = random.Random(10_000 + stream_index), 0
+        while not stop.is_set():
+            request = CompletionRequest(
+                request_id=f"load{stream_index:03d}-{uuid.uuid4().hex[:6]}", reply_to=client.new_inbox(), model=model,
+                prompt=[load_rng.randrange(1000, 30000) for _ in range(256)], max_tokens=args.load_tokens,
+                stream_format=StreamFormat.TOKENS)
+            async with await client.submit(request, first_frame_timeout_s=60) as stream:
+                async for _ in stream:
+                    pass
+            ended += 1
+        return ended
+
     _wrap_publish(stamp)
     rng = random.Random(args.seed)
     low, high = args.prompt_tokens
@@ -366,8 +395,13 @@ async def drive(args: argparse.Namespace, trace_dir: Path) -> tuple[dict[str, di
                     await wait_until("the gateway", lambda: answers(session, health_url), workers, args.start_timeout_s)
                 if args.pin:
                     pin_each(args.pin, server.pid, workers)
+                stop_load = asyncio.Event()
+                load = [asyncio.create_task(keep_streaming(client, model, index, stop_load))
+                        for index in range(args.load_streams)]
                 print(f"[trace-hops] workers ready ({args.engine}, model {model}); "
-                      f"{args.warmup} + {args.requests} requests", file=sys.stderr, flush=True)
+                      f"{args.warmup} + {args.requests} requests"
+                      + (f", beside {args.load_streams} streams of {args.load_tokens} tokens" if load else ""),
+                      file=sys.stderr, flush=True)
                 for index in range(args.warmup + args.requests):
                     request_id = f"hop{index:05d}-{uuid.uuid4().hex[:6]}"
                     # Random ids from the middle of the vocabulary: a fresh prompt each time, nothing cached.
@@ -393,12 +427,19 @@ async def drive(args: argparse.Namespace, trace_dir: Path) -> tuple[dict[str, di
                     if (index + 1) % 100 == 0:
                         print(f"[trace-hops] {index + 1} sent", file=sys.stderr, flush=True)
                     await asyncio.sleep(args.gap_s)
+                stop_load.set()
+                if load:
+                    ended = sum(await asyncio.gather(*load))
+                    print(f"[trace-hops] the load ran {ended} requests beside them", file=sys.stderr, flush=True)
         finally:
             for worker in workers:
                 worker.send_signal(signal.SIGTERM)
             for worker in workers:
                 worker.wait(timeout=60)
-    return client_points, gateway_s, server_s
+    # The load's requests were stamped too (at the client's publish): only the traced ones are reported.
+    traced = {request_id: points for request_id, points in client_points.items()
+              if request_id.startswith(TRACED_PREFIX)}
+    return traced, gateway_s, server_s
 
 
 def assemble(by_request: dict[str, dict[str, float]], trace_dir: Path) -> dict[str, dict[str, float]]:
@@ -429,12 +470,13 @@ def _first_after(stamps: list[float], after: float | None) -> float | None:
 
 
 def report(by_request: dict[str, dict[str, float]], engine: str, gateway_s: dict[str, float],
-           server_s: dict[str, float]) -> None:
-    points_in_order = points_of(engine)
+           server_s: dict[str, float], load_streams: int = 0) -> None:
+    points_in_order = points_of(engine, loaded=load_streams > 0)
     complete = {request_id: points for request_id, points in by_request.items()
                 if all(point in points for point in points_in_order)}
     what = "mock engine: 5 ms to the first token" if engine == "mock" else engine
-    print(f"{len(complete)} requests one at a time, medians in ms ({what})")
+    beside = f", beside {load_streams} other streams" if load_streams else ""
+    print(f"{len(complete)} requests one at a time{beside}, medians in ms ({what})")
     total_ms = 0.0
     for before, point in pairwise(points_in_order):
         step_ms = statistics.median(1000 * (points[point] - points[before]) for points in complete.values())
@@ -494,6 +536,9 @@ def main() -> None:
                              "detokenizer processes stay free), the gateway, this client")
     parser.add_argument("--gap-s", type=float, default=0.02, help="idle time between requests (default 0.02)")
     parser.add_argument("--seed", type=int, default=0, help="of the random prompts (default 0)")
+    parser.add_argument("--load-streams", type=int, default=0,
+                        help="other streams kept running through the pipeline meanwhile (default 0: idle)")
+    parser.add_argument("--load-tokens", type=int, default=256, help="tokens of each load request (default 256)")
     parser.add_argument("--json-out", type=Path, help="also write each request's stamps and first tokens here")
     parser.add_argument("--start-timeout-s", type=float, default=600,
                         help="how long the workers may take to be ready (default 600)")
@@ -516,7 +561,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="trace-hops-") as folder:
         client_points, gateway_s, server_s = uvloop.run(drive(args, Path(folder)))
         by_request = assemble(client_points, Path(folder))
-    report(by_request, args.engine, gateway_s, server_s)
+    report(by_request, args.engine, gateway_s, server_s, args.load_streams)
     if args.json_out:
         args.json_out.write_text(json.dumps({"nats": by_request, "gateway_s": gateway_s, "server_s": server_s}))
 

@@ -567,3 +567,13 @@ def test_cpu_survey_times_every_allowed_cpu_and_marks_those_a_scheduler_would_ho
     # What cpu_pinning would claim: none on a machine too small to spare them, else the highest-numbered whole cores.
     if held:
         assert max(held) == max(allowed)
+
+
+def test_hops_traced_beside_a_load_leave_out_the_points_stamped_without_a_request_id() -> None:
+    hops = _script("trace_hops")
+    idle, loaded = hops.points_of("mock"), hops.points_of("mock", loaded=True)
+    assert set(hops.UNNAMED_POINTS) <= set(idle)
+    assert loaded == [point for point in idle if point not in hops.UNNAMED_POINTS]
+    with_sglang = hops.points_of("sglang", loaded=True)
+    assert with_sglang.index("sglang.first_output") + 1 == with_sglang.index("engine.first_token")
+    assert "decode.socket" not in with_sglang and with_sglang[-1] == "client_first"
