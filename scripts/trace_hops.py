@@ -556,6 +556,9 @@ def main() -> None:
         return
     if args.engine == "sglang" and not args.model:
         parser.error("--engine sglang needs --model")
+    if args.load_streams and args.server_url:
+        # The load runs through Conveyor only: pairing its first tokens with an idle server's would not compare.
+        parser.error("--load-streams loads only Conveyor's pipeline: it cannot be paired with --server-url")
     import uvloop
 
     with tempfile.TemporaryDirectory(prefix="trace-hops-") as folder:
