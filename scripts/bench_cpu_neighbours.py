@@ -36,6 +36,7 @@ import os
 import pickle
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from isolate_schedulers import physical_cores  # noqa: E402  — the machine's cores, hyperthread siblings together
 
-from workers.engines.cpu_pinning import CPUS_PER_SCHEDULER, MAX_SHARE  # noqa: E402  (isolate_schedulers set the path)
+from workers.engines.cpu_pinning import CPUS_PER_SCHEDULER, claim_cores  # noqa: E402  (isolate_schedulers set the path)
 
 SETTLE_S = 0.3  # helpers reach full speed (and the clock its new level) before the window opens
 MEMORY_BUFFER_BYTES = 256 * 1024 * 1024  # far beyond any last-level cache here
@@ -195,16 +196,14 @@ def survey(rounds: int, window_s: float) -> None:
 
 
 def cpus_a_scheduler_would_hold(allowed: list[int]) -> list[int]:
-    """The CPUs the decode worker's first scheduler takes on this machine (cpu_pinning.claim_cores, no other worker
-    holding any): whole cores from the highest-numbered down, until there are CPUS_PER_SCHEDULER."""
-    if CPUS_PER_SCHEDULER > len(allowed) * MAX_SHARE:
-        return []
-    held: list[int] = []
-    for core in reversed(physical_cores(set(allowed))):
-        if len(held) >= CPUS_PER_SCHEDULER:
-            break
-        held.extend(core)
-    return sorted(held)
+    """The CPUs the decode worker's first scheduler takes on this machine: cpu_pinning's own claim, made in a lock
+    directory of its own (no other worker holding any) and let go at once."""
+    with tempfile.TemporaryDirectory(prefix="cpu-survey-") as lock_dir:
+        claim = claim_cores(CPUS_PER_SCHEDULER, Path(lock_dir), allowed=set(allowed))
+        if claim is None:
+            return []
+        claim.release()
+        return claim.cpus
 
 
 def report(readings: list[Reading], kinds: list[str], levels: list[int]) -> None:

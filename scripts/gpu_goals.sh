@@ -106,8 +106,9 @@ run_all() {
       # two CPUs: is it near its GPU, and on a core of its own? docs/performance.md, forty-first stop).
       nvidia-smi topo -m 2>/dev/null
       lscpu -e=CPU,NODE,SOCKET,CORE 2>/dev/null
-      for pid in $(pgrep -f '^sglang::scheduler'); do echo "scheduler $pid may run on CPUs $(taskset -cp "$pid" 2>/dev/null \
-          | sed 's/.*: //')"; done
+      for pid in $(pgrep -f '^sglang::scheduler'); do
+          echo "scheduler $pid may run on CPUs $(taskset -cp "$pid" 2>/dev/null | sed 's/.*: //')"
+      done
     } > "$dir/gpu-apps.log" || true
     # How long each SGLang scheduler waited for a CPU while it had work (scripts/sched_wait.py).
     bash scripts/gpu_run.sh python3 scripts/sched_wait.py --out "$dir/sched.log" > "$dir/sched-wait.err" 2>&1 &

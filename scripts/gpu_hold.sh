@@ -61,7 +61,7 @@ wait_for_server() {  # wait_for_server server|server2
         || { tail -20 "/tmp/$name.log"; exit 1; }
 }
 
-wait_for_stack() {  # wait_for_stack a|b
+wait_for_stack() {  # wait_for_stack a|b|c
     wait_for "conveyor stack $1" 300 "/tmp/conveyor-$1.pid" grep -q "ready at" "/tmp/conveyor-$1.log" \
         || { tail -20 "/tmp/conveyor-$1.log"; exit 1; }
     grep "ready at" "/tmp/conveyor-$1.log"
