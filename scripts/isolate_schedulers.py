@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from workers.engines.cpu_pinning import (  # noqa: E402
     SCHEDULER_TITLE,
     parse_cpu_list,
+    pci_device_dir,
     physical_cores,
     pin_threads,
     user_processes,
@@ -55,9 +56,7 @@ def gpu_node() -> int | None:
                                 text=True, timeout=30, check=True).stdout.split()[0]
     except (OSError, subprocess.SubprocessError, IndexError):
         return None
-    # nvidia-smi writes an 8-digit PCI domain ("00000000:18:00.0"); sysfs a 4-digit one.
-    domain, _, rest = bus_id.lower().partition(":")
-    node_file = Path(f"/sys/bus/pci/devices/{domain[-4:]}:{rest}/numa_node")
+    node_file = pci_device_dir(bus_id) / "numa_node"
     node = int(node_file.read_text()) if node_file.exists() else -1
     return node if node >= 0 else None
 

@@ -15,7 +15,9 @@ import pytest
 from workers.engines.cpu_pinning import (
     SCHEDULER_TITLE,
     claim_cores,
+    claim_order,
     parse_cpu_list,
+    pci_device_dir,
     physical_cores,
     pin_schedulers,
 )
@@ -68,6 +70,21 @@ def test_workers_sharing_a_lock_dir_claim_different_whole_cores_highest_first(tm
     first.release()
     again = claim_cores(1, tmp_path, max_share=1.0)
     assert again is not None and again.cpus == cores[-1]  # released: free for the next worker
+
+
+def test_cores_near_the_scheduler_s_gpu_are_claimed_before_higher_numbered_ones(tmp_path: Path) -> None:
+    # Two sockets' worth of cores, the GPU's CPUs the low half: those come first, highest-numbered first among them.
+    cores = [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert claim_order(cores, near_cpus={0, 1, 4, 5}) == [[1, 5], [0, 4], [3, 7], [2, 6]]
+    assert claim_order(cores, near_cpus=None) == [[3, 7], [2, 6], [1, 5], [0, 4]]  # GPU unknown: highest first
+    lowest = physical_cores(ALLOWED)[0]
+    claim = claim_cores(1, tmp_path, max_share=1.0, near_cpus=set(lowest))
+    assert claim is not None and claim.cpus == lowest
+
+
+def test_a_gpu_s_pci_address_from_nvidia_smi_names_its_sysfs_directory() -> None:
+    assert pci_device_dir("00000000:18:00.0") == Path("/sys/bus/pci/devices/0000:18:00.0")
+    assert pci_device_dir(" 00000001:AB:00.0\n") == Path("/sys/bus/pci/devices/0001:ab:00.0")
 
 
 def test_a_claim_that_would_take_more_than_its_share_of_the_cpus_is_refused(tmp_path: Path) -> None:

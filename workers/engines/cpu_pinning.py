@@ -8,15 +8,18 @@ first put down to moving (twenty-eighth stop) was the worker's canary (twenty-ni
 scheduler's helper threads go to the other CPUs, where waking them cannot preempt it (held with it, ZMQ's I/O thread
 did at every step's send).
 
-A worker claims whole cores from the highest-numbered down (the kernel places new work on low numbers first), with
-one lock file per CPU, so that workers sharing the lock directory (one host, or containers that mount it) take
-different cores. A claim lasts until the worker process exits: the kernel drops its locks then.
+A worker claims whole cores near the scheduler's GPU first (the CPUs the kernel lists as local to its PCI device: on a
+machine of two sockets, a launch from the other socket crosses the link between them at every step), and among those
+from the highest-numbered down (the kernel places new work on low numbers first), with one lock file per CPU, so that
+workers sharing the lock directory (one host, or containers that mount it) take different cores. A claim lasts until
+the worker process exits: the kernel drops its locks then.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,17 +81,23 @@ def _try_lock(lock_dir: Path, cpu: int) -> int | None:
     return fd
 
 
+def claim_order(cores: list[list[int]], near_cpus: set[int] | None) -> list[list[int]]:
+    """`cores`, best first for a scheduler: wholly within `near_cpus` (its GPU's CPUs; None: unknown) before the
+    rest, the highest-numbered first within each."""
+    return sorted(cores, key=lambda core: (near_cpus is not None and not set(core) <= near_cpus, -core[0]))
+
+
 def claim_cores(num_cpus: int, lock_dir: Path = DEFAULT_LOCK_DIR, allowed: set[int] | None = None,
-                max_share: float = MAX_SHARE) -> CpuClaim | None:
-    """Whole cores of `allowed` (default: what this process may use), highest-numbered first, none held by another
-    worker, until there are at least `num_cpus` CPUs; None where they cannot be found, or where `num_cpus` is more
-    than `max_share` of `allowed`."""
+                max_share: float = MAX_SHARE, near_cpus: set[int] | None = None) -> CpuClaim | None:
+    """Whole cores of `allowed` (default: what this process may use), those within `near_cpus` first and the
+    highest-numbered first, none held by another worker, until there are at least `num_cpus` CPUs; None where they
+    cannot be found, or where `num_cpus` is more than `max_share` of `allowed`."""
     lock_dir.mkdir(parents=True, exist_ok=True)  # first: a directory that cannot be made is an error on any machine
     allowed = set(os.sched_getaffinity(0)) if allowed is None else allowed
     if num_cpus > len(allowed) * max_share:
         return None
     claim = CpuClaim(cpus=[])
-    for core in reversed(physical_cores(allowed)):
+    for core in claim_order(physical_cores(allowed), near_cpus):
         if len(claim.cpus) >= num_cpus:
             break
         fds = [fd for cpu in core if (fd := _try_lock(lock_dir, cpu)) is not None]
@@ -103,6 +112,30 @@ def claim_cores(num_cpus: int, lock_dir: Path = DEFAULT_LOCK_DIR, allowed: set[i
         return None
     claim.cpus.sort()
     return claim
+
+
+def pci_device_dir(bus_id: str) -> Path:
+    """sysfs's directory for a PCI device as nvidia-smi names it: nvidia-smi writes an 8-digit domain
+    ("00000000:18:00.0"), sysfs a 4-digit one."""
+    domain, _, rest = bus_id.strip().lower().partition(":")
+    return Path(f"/sys/bus/pci/devices/{domain[-4:]}:{rest}")
+
+
+def gpu_cpus_by_pid() -> dict[int, set[int]]:
+    """pid -> the CPUs local to the GPU it computes on, for every process NVIDIA's driver lists (empty where
+    nvidia-smi is missing or fails, or sysfs does not say)."""
+    try:
+        listing = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_bus_id", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    near: dict[int, set[int]] = {}
+    for line in listing.splitlines():
+        pid, _, bus_id = line.partition(",")
+        local = pci_device_dir(bus_id) / "local_cpulist"
+        if pid.strip().isdigit() and local.exists():
+            near[int(pid)] = set(parse_cpu_list(local.read_text()))
+    return near
 
 
 def user_processes() -> dict[int, str]:
@@ -166,10 +199,12 @@ def pin_schedulers(setting: str, lock_dir: Path = DEFAULT_LOCK_DIR, parent_pid: 
         log.warning("sglang.scheduler_cpus_skipped", reason=f"no child process titled {SCHEDULER_TITLE!r}")
         return []
     claims: list[CpuClaim] = []
+    # A process namespace of its own (a container) may hide the driver's pids from us: then no core is nearer.
+    near_by_pid = gpu_cpus_by_pid() if setting == "auto" else {}
     for pid in schedulers:
         if setting == "auto":
             try:
-                claim = claim_cores(CPUS_PER_SCHEDULER, lock_dir)
+                claim = claim_cores(CPUS_PER_SCHEDULER, lock_dir, near_cpus=near_by_pid.get(pid))
             except OSError as error:  # a lock directory this user may not write
                 log.warning("sglang.scheduler_cpus_skipped", scheduler_pid=pid, lock_dir=str(lock_dir),
                             reason=repr(error))
@@ -187,7 +222,9 @@ def pin_schedulers(setting: str, lock_dir: Path = DEFAULT_LOCK_DIR, parent_pid: 
                             reason="CPUs this worker may not use")
                 continue
         helpers = hold_main_thread(pid, cpus)
-        log.info("sglang.scheduler_pinned", scheduler_pid=pid, cpus=cpus, helper_threads_moved_off=helpers)
+        near = near_by_pid.get(pid)
+        log.info("sglang.scheduler_pinned", scheduler_pid=pid, cpus=cpus, helper_threads_moved_off=helpers,
+                 near_its_gpu="unknown" if near is None else set(cpus) <= near)
     return claims
 
 
