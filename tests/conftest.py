@@ -16,7 +16,7 @@ from bus.cancel import CancelRegistry
 from bus.connection import connect
 from bus.server import EmbeddedNatsServer
 from bus.settings import BusSettings, NatsSettings
-from bus.streams import declare_all, delete_all
+from bus.streams import declare_all_when_ready, delete_all
 from bus.subjects import Names
 
 # Worker processes the tests start read their streams' caps from the environment. JetStream reserves every cap up
@@ -97,7 +97,9 @@ async def bus(nats_settings: NatsSettings, settings: BusSettings) -> AsyncIterat
     nc = await connect(nats_settings, name="tests")
     js = nc.jetstream()
     names = Names(settings.namespace)
-    registry = await declare_all(js, names, settings, nc.max_payload)
+    # As a worker declares them (workers/runtime.py): JetStream's transient errors retried. One CI run of many saw
+    # nats-server answer a fresh namespace's first stream with 'error creating store for stream' (10049) once.
+    registry = await declare_all_when_ready(js, names, settings, nc.max_payload, timeout_s=10)
     try:
         yield Bus(nc=nc, js=js, names=names, settings=settings, registry=registry, nats_settings=nats_settings)
     finally:
