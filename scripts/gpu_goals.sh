@@ -35,7 +35,9 @@
 # A step that fails is logged and the next one runs. While the run lasts, top's busiest processes are logged every
 # 2 s (top.log), so a slow round can be read against what else ran, and how long each SGLang scheduler waited for a
 # CPU (sched.log; `wait` summarizes it in sched-wait.txt), and each CPU's time stolen by the host over the run
-# (cpu-steal.txt). /tmp/goals/done marks the end.
+# (cpu-steal.txt), and each GPU's SM clock, power, load and clock-limiting reasons every 2 s (gpu-clocks.log; `wait`
+# summarizes it in gpu-clocks.txt: systems on GPUs of their own compare only where the GPUs ran alike).
+# /tmp/goals/done marks the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${GOALS_DIR:-/tmp/goals}  # where the run writes (GOALS_DIR: elsewhere, e.g. for a test of `wait`)
@@ -114,8 +116,15 @@ run_all() {
     bash scripts/gpu_run.sh python3 scripts/sched_wait.py --out "$dir/sched.log" > "$dir/sched-wait.err" 2>&1 &
     local sampler=$!
     cat /proc/stat > "$dir/proc-stat-start"  # each CPU's busy, idle and stolen time over the run (cpu-steal.txt)
+    # Each GPU under load (scripts/gpu_clocks.py): drivers before 535 name the limiting reasons "throttle" reasons.
+    local reasons=clocks_event_reasons.active
+    nvidia-smi --query-gpu="$reasons" --format=csv,noheader > /dev/null 2>&1 || reasons=clocks_throttle_reasons.active
+    nvidia-smi --query-gpu="timestamp,index,clocks.sm,power.draw,utilization.gpu,temperature.gpu,$reasons" \
+        --format=csv,noheader -lms 2000 > "$dir/gpu-clocks.log" 2>&1 &
+    local clocks=$!
     for name in ${GOALS_STEPS:-aiperf ttft streams scale fanin serving}; do run_step "$name" "$rounds"; done
     kill "$monitor" 2>/dev/null || true
+    kill "$clocks" 2>/dev/null || true
     kill "$sampler" 2>/dev/null || true
     cat /proc/stat > "$dir/proc-stat-end"
     touch "$dir/done"
@@ -237,6 +246,10 @@ case "${1:-}" in
             python3 scripts/cpu_steal.py "$dir/proc-stat-start" "$stat_end" > "$out/cpu-steal.txt" 2>&1 || true
             cat "$out/cpu-steal.txt"
         fi
+        if [ -s "$dir/gpu-clocks.log" ]; then  # how each GPU ran under load
+            python3 scripts/gpu_clocks.py "$dir/gpu-clocks.log" > "$out/gpu-clocks.txt" 2>&1 || true
+            cat "$out/gpu-clocks.txt"
+        fi
         if grep -q "server_args=ServerArgs(" /tmp/sglang-server.log 2>/dev/null; then
             # The two engines' settings, where they differ (each logs them at start when at info).
             python3 scripts/sglang_args_diff.py /tmp/sglang-server.log /tmp/a/bench-vs-sglang-conveyor/decode.log \
@@ -260,7 +273,7 @@ case "${1:-}" in
         if [ -f "$dir/done" ]; then echo "[gpu-goals] done"; else echo "[gpu-goals] still running"; fi
         # One file back, small enough to carry in the tree afterwards (docs/results/): the raw CPU samples and the
         # runner's own output stay behind, what the summaries above were read from goes compressed.
-        (cd "$out" && rm -f run.log sched.log && for big in top.log *batches.log *-aiperf.log; do
+        (cd "$out" && rm -f run.log sched.log && for big in top.log gpu-clocks.log *batches.log *-aiperf.log; do
             [ -f "$big" ] && xz -9 -f "$big"; done) || true
         tar -cf "$out.tar" -C "$(dirname "$out")" "$(basename "$out")" && rm -rf "$out"
         echo "[gpu-goals] packed $out.tar"

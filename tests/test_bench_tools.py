@@ -264,6 +264,8 @@ def test_goals_wait_prints_the_goals_and_packs_what_the_run_wrote_into_one_tar(t
     (run / "aiperf.log").write_text("concurrency 16, 3 rounds\nconveyor   | tok/s ratio by round: 0.97×, 1.00×\n"
                                     "  c=16   output tok/s ≥ 0.97×: 0.98× met\n")
     (run / "top.log").write_text("top - 07:22:53\n" * 100)
+    (run / "gpu-clocks.log").write_text(
+        "2026/11/27 07:22:53.001, 0, 1980 MHz, 250.10 W, 60 %, 40, 0x0000000000000000\n")
     (run / "run.log").write_text("the runner's own output\n")
     (run / "done").touch()
     out = tmp_path / "back" / "x"
@@ -274,8 +276,27 @@ def test_goals_wait_prints_the_goals_and_packs_what_the_run_wrote_into_one_tar(t
     assert not out.exists()  # packed, not left as a folder
     with tarfile.open(out.parent / "x.tar") as packed:
         names = set(packed.getnames())
-    assert {"x/aiperf.log", "x/progress.log", "x/top.log.xz", "x/warmup-conveyor-0-aiperf.log.xz"} <= names
+    assert "1980" in done.stdout  # each GPU's clock under load, summarized
+    assert {"x/aiperf.log", "x/progress.log", "x/top.log.xz", "x/warmup-conveyor-0-aiperf.log.xz",
+            "x/gpu-clocks.log.xz", "x/gpu-clocks.txt"} <= names
     assert "x/run.log" not in names
+
+
+def test_gpu_clocks_counts_only_loaded_samples_and_which_were_held_back() -> None:
+    clocks = _script("gpu_clocks")
+    lines = [
+        "2026/11/27 15:17:00.001, 0, 1980 MHz, 300.00 W, 80 %, 41, 0x0000000000000000",
+        "2026/11/27 15:17:00.001, 1, 1755 MHz, 690.00 W, 95 %, 70, 0x0000000000000004",  # power cap
+        "2026/11/27 15:17:02.001, 0, 1980 MHz, 310.00 W, 82 %, 42, 0x0000000000000000",
+        "2026/11/27 15:17:02.001, 1, 1980 MHz, 320.00 W, 90 %, 60, 0x0000000000000000",
+        "2026/11/27 15:17:04.001, 0, 345 MHz, 70.00 W, 0 %, 35, 0x0000000000000001",  # idle: left out
+        "2026/11/27 15:17:04.001, 1, [N/A], 70.00 W",  # torn: left out
+    ]
+    first, second = clocks.summarize(lines, busy_percent=10)
+    assert (first.gpu, first.num_samples, first.sm_clock_min_mhz, first.num_held_back) == (0, 2, 1980, 0)
+    assert first.power_p50_w == 305
+    assert (second.gpu, second.num_samples, second.sm_clock_min_mhz, second.num_held_back) == (1, 2, 1755, 1)
+    assert second.temperature_max_c == 70
 
 
 def test_sched_wait_reads_a_busy_process_cpu_and_names_it_by_its_command_line(tmp_path: Path) -> None:
