@@ -224,7 +224,7 @@ def pin_schedulers(setting: str, lock_dir: Path = DEFAULT_LOCK_DIR, parent_pid: 
         helpers = hold_main_thread(pid, cpus)
         near = near_by_pid.get(pid)
         log.info("sglang.scheduler_pinned", scheduler_pid=pid, cpus=cpus, helper_threads_moved_off=helpers,
-                 near_its_gpu="unknown" if near is None else set(cpus) <= near)
+                 near_its_gpu=None if near is None else set(cpus) <= near)  # None: its GPU not known
     return claims
 
 
