@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from workers.engines.cpu_pinning import (  # noqa: E402
     SCHEDULER_TITLE,
+    claim_order,
     parse_cpu_list,
     pci_device_dir,
     physical_cores,
@@ -64,7 +65,8 @@ def gpu_node() -> int | None:
 def reservation_order(cores: list[list[int]], node: int | None) -> list[list[int]]:
     """Cores to give schedulers, best first: on the GPU's NUMA node (its launches and copies cross no socket), then
     the highest-numbered, away from where the kernel places work first."""
-    return sorted(cores, key=lambda core: (node is not None and cpu_node(core[0]) != node, -core[0]))
+    on_node = None if node is None else {cpu for core in cores for cpu in core if cpu_node(cpu) == node}
+    return claim_order(cores, on_node)  # the rule a worker claims its schedulers' cores by
 
 
 def reserve(schedulers: list[int], cores: list[list[int]], cpus_each: int) -> dict[int, list[int]]:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import shutil
 import socket
@@ -130,7 +129,8 @@ class SGLangEngineConfig(BaseSettings):
     # Each SGLang scheduler held on CPUs of its own (workers/engines/cpu_pinning.py): "auto" claims two CPUs in whole
     # cores per scheduler, near its GPU and highest-numbered first, that no other worker sharing the lock directory
     # holds; a CPU list ("14,15", "12-15") gives every scheduler those; "off" leaves it to the kernel. Held, the
-    # scheduler's loop waited less for a CPU (1.6% of its time against 4.5% free at 256 streams on the H100: docs/performance.md).
+    # scheduler's loop waited less for a CPU (1.6% of its time against 4.5% free at 256 streams on the H100:
+    # docs/performance.md).
     scheduler_cpus: str = "auto"
     scheduler_cpus_lock_dir: Path = DEFAULT_LOCK_DIR
     # LoRA adapters, loaded at run time (`conveyor lora load`): SGLang sizes its adapter pool at start, so the
@@ -716,7 +716,7 @@ class SGLangEngine:
                 self._events_watch = SilentEventsWatch(self._relay, self.config.page_size or 1)
         # In a thread: it asks nvidia-smi which GPU each scheduler is on (a second or so, not on the event loop).
         self._cpu_claims = await asyncio.to_thread(pin_schedulers, self.config.scheduler_cpus,
-                                                   self.config.scheduler_cpus_lock_dir, os.getpid())
+                                                   self.config.scheduler_cpus_lock_dir)
         self._load_task = asyncio.create_task(self._refresh_load())
 
     async def _max_running_requests(self) -> int | None:
