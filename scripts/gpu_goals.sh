@@ -37,6 +37,10 @@
 # CPU (sched.log; `wait` summarizes it in sched-wait.txt), and each CPU's time stolen by the host over the run
 # (cpu-steal.txt), and each GPU's SM clock, power, load and clock-limiting reasons every 2 s (gpu-clocks.log; `wait`
 # summarizes it in gpu-clocks.txt: systems on GPUs of their own compare only where the GPUs ran alike).
+# GOALS_PROFILE_AT=16#2 records every SGLang scheduler with py-spy for 15 s once that level's second round is under
+# load (profile.json: each one's busiest functions; `wait` brings the raw stacks as profiles.tgz). Processes started
+# with the GC probe (CONVEYOR_GC_PROBE_DIR=/tmp/gc, scripts/gc_probe on PYTHONPATH) have their collections read back
+# level by level (gc.txt, scripts/gc_report.py).
 # /tmp/goals/done marks the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -88,6 +92,22 @@ run_step() {  # run_step NAME ROUNDS
     esac
 }
 
+profile_at() {  # profile_at LABEL: py-spy on every SGLang scheduler for 15 s, once LABEL's second round is loaded
+    local label=$1 schedulers=()
+    until grep -q "concurrency $label, round 2/" "$dir/aiperf.log" 2>/dev/null; do
+        [ -f "$dir/done" ] && return 0
+        sleep 2
+    done
+    # Named by GPU: on a machine of several, each system has a GPU of its own (gpu-apps.log says whose).
+    for pid in $(pgrep -f '^sglang::scheduler'); do
+        gpu=$(tr '\0' '\n' < "/proc/$pid/environ" 2>/dev/null | sed -n 's/^CUDA_VISIBLE_DEVICES=//p')
+        schedulers+=("scheduler-gpu${gpu:-x}-$pid=$pid")
+    done
+    echo "[gpu-goals $(date +%T)] profiling at $label: ${schedulers[*]}" >> "$dir/progress.log"
+    bash scripts/gpu_run.sh python3 scripts/profile_processes.py "${schedulers[@]}" --busy-percent 50 \
+        --duration-s 15 --top 25 --out "$dir/profile" > "$dir/profile.json" 2> "$dir/profile.err" || true
+}
+
 run_all() {
     local rounds=$1
     # Frames after the first show each process's CPU over the last 2 s (the first: since it started).
@@ -122,6 +142,7 @@ run_all() {
     nvidia-smi --query-gpu="timestamp,index,clocks.sm,power.draw,utilization.gpu,temperature.gpu,$reasons" \
         --format=csv,noheader -lms 2000 > "$dir/gpu-clocks.log" 2>&1 &
     local clocks=$!
+    if [ -n "${GOALS_PROFILE_AT:-}" ]; then profile_at "$GOALS_PROFILE_AT" & fi
     for name in ${GOALS_STEPS:-aiperf ttft streams scale fanin serving}; do run_step "$name" "$rounds"; done
     kill "$monitor" 2>/dev/null || true
     kill "$clocks" 2>/dev/null || true
@@ -245,6 +266,17 @@ case "${1:-}" in
             stat_end=/proc/stat; [ -f "$dir/proc-stat-end" ] && stat_end="$dir/proc-stat-end"
             python3 scripts/cpu_steal.py "$dir/proc-stat-start" "$stat_end" > "$out/cpu-steal.txt" 2>&1 || true
             cat "$out/cpu-steal.txt"
+        fi
+        if [ -s "$dir/profile.json" ]; then  # the schedulers' profiles (GOALS_PROFILE_AT)
+            cp "$dir/profile.json" "$out/" && tar -C "$dir/profile" -czf "$out/profiles.tgz" . 2>/dev/null || true
+        fi
+        gc_dir=${CONVEYOR_GC_PROBE_DIR:-/tmp/gc}
+        if ls "$gc_dir"/gc-*.jsonl > /dev/null 2>&1; then  # each process's garbage collections (scripts/gc_probe)
+            levels=(); [ -f "$dir/aiperf.log" ] && levels=(--levels "$dir/aiperf.log")
+            { python3 scripts/gc_report.py "$gc_dir" --title scheduler "${levels[@]}"
+              python3 scripts/gc_report.py "$gc_dir"; } > "$out/gc.txt" 2>&1 || true
+            cat "$out/gc.txt"
+            tar -C "$gc_dir" -cJf "$out/gc-probe.tar.xz" . 2>/dev/null || true
         fi
         if [ -s "$dir/gpu-clocks.log" ]; then  # how each GPU ran under load
             python3 scripts/gpu_clocks.py "$dir/gpu-clocks.log" > "$out/gpu-clocks.txt" 2>&1 || true

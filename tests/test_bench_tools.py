@@ -598,3 +598,33 @@ def test_hops_traced_beside_a_load_leave_out_the_points_stamped_without_a_reques
     with_sglang = hops.points_of("sglang", loaded=True)
     assert with_sglang.index("sglang.first_output") + 1 == with_sglang.index("engine.first_token")
     assert "decode.socket" not in with_sglang and with_sglang[-1] == "client_first"
+
+
+def test_gc_probe_counts_a_process_collections_and_the_report_reads_them_back(tmp_path: Path) -> None:
+    probe_dir = tmp_path / "gc"
+    # Three full collections, one of the youngest generation, a second apart from the first line to the last.
+    code = "import gc, time\ngc.collect(0)\ngc.collect()\ntime.sleep(1.1)\ngc.collect()\ngc.collect()\n"
+    env = {**os.environ, "PYTHONPATH": str(SCRIPTS / "gc_probe"), "CONVEYOR_GC_PROBE_DIR": str(probe_dir),
+           "CONVEYOR_GC_PROBE_EVERY_S": "0"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+    [path] = probe_dir.glob("gc-*.jsonl")
+    last = json.loads(path.read_text().splitlines()[-1])
+    assert last["counts"][2] >= 3 and last["counts"][0] >= 1
+    assert last["seconds"][2] > 0
+
+    report = _script("gc_report")
+    [process] = report.read_probe(probe_dir)
+    measured = report.between(process, process.samples[0].clock_s, process.samples[-1].clock_s)
+    assert measured is not None
+    span_s, seconds, counts = measured
+    assert span_s >= 1 and counts[2] >= 2 and seconds[2] > 0
+
+
+def test_gc_probe_does_nothing_without_its_folder(tmp_path: Path) -> None:
+    env = {key: value for key, value in os.environ.items() if key != "CONVEYOR_GC_PROBE_DIR"}
+    env["PYTHONPATH"] = str(SCRIPTS / "gc_probe")
+    code = "import gc, sitecustomize\ngc.collect()\nprint(len(gc.callbacks))"
+    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, check=True, timeout=60,
+                            capture_output=True, text=True)
+    assert result.stdout.strip() == "0"
+    assert not list(tmp_path.iterdir())
