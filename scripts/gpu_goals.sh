@@ -98,9 +98,13 @@ profile_at() {  # profile_at LABEL: py-spy on every SGLang scheduler for 15 s, o
         [ -f "$dir/done" ] && return 0
         sleep 2
     done
-    # Named by GPU: on a machine of several, each system has a GPU of its own (gpu-apps.log says whose).
+    # Named by GPU: on a machine of several, each system has a GPU of its own. nvidia-smi tells which (SGLang's
+    # process title overwrites the scheduler's /proc/PID/environ, CUDA_VISIBLE_DEVICES with it).
+    local gpu_of; gpu_of=$(nvidia-smi --query-gpu=uuid,index --format=csv,noheader 2>/dev/null | tr -d ' ')
     for pid in $(pgrep -f '^sglang::scheduler'); do
-        gpu=$(tr '\0' '\n' < "/proc/$pid/environ" 2>/dev/null | sed -n 's/^CUDA_VISIBLE_DEVICES=//p')
+        uuid=$(nvidia-smi --query-compute-apps=pid,gpu_uuid --format=csv,noheader 2>/dev/null | tr -d ' ' \
+            | awk -F, -v pid="$pid" '$1 == pid { print $2 }')
+        gpu=$(echo "$gpu_of" | awk -F, -v uuid="$uuid" '$1 == uuid { print $2 }')
         schedulers+=("scheduler-gpu${gpu:-x}-$pid=$pid")
     done
     echo "[gpu-goals $(date +%T)] profiling at $label: ${schedulers[*]}" >> "$dir/progress.log"
