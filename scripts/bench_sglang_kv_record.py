@@ -1,0 +1,95 @@
+"""What SGLang's KV events cost its scheduler per request: the radix cache's work with `enable_kv_cache_events` on and
+off, side by side, on the CPU.
+
+A request costs SGLang's radix cache a prefix match, an insert of its prompt after prefill, an insert of prompt and
+output when it ends, and evictions once the pool is full. With KV events on, each insert also hashes every new page
+and records a `BlockStored` for it, each eviction a `BlockRemoved`; the scheduler hands the batch to the publisher
+thread, which encodes it with msgpack. This replays issue 11's load on the cache alone (prompts of 128–1024 tokens
+after a shared 17-token chat prefix, outputs of 128–512, pages of 16 tokens, a pool of POOL tokens), rounds with events
+off and on alternating, and prints each one's microseconds per request and the ratio, on versus off.
+
+    python scripts/bench_sglang_kv_record.py --requests 3000 --rounds 4
+
+It needs SGLang importable (on the GPU machine: `bash scripts/gpu_run.sh python3 scripts/bench_sglang_kv_record.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from array import array
+
+import msgspec
+import torch
+from sglang.srt.disaggregation.kv_events import KVEventBatch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+PAGE_TOKENS = 16
+CHAT_PREFIX_TOKENS = 17  # what every prompt of the goal runs shares (SGLang's logs: ~17 cached tokens a prefill)
+
+
+class FreeingNothing:
+    """The pool allocator the cache frees evicted pages to: here only its interface."""
+    device = "cpu"
+
+    def free_segment(self, value: torch.Tensor, start_pos: int = 0) -> None:
+        pass
+
+
+def one_round(events: bool, num_requests: int, pool_tokens: int, seed: int) -> tuple[float, float, float]:
+    """(cache microseconds per request, publisher's encode microseconds per request, events per request)."""
+    rng = random.Random(seed)
+    cache = RadixCache.create_simulated(mock_allocator=FreeingNothing(), page_size=PAGE_TOKENS,
+                                        enable_kv_cache_events=events)
+    prefix = [rng.randrange(50_000) for _ in range(CHAT_PREFIX_TOKENS)]
+    encoder = msgspec.msgpack.Encoder()
+    cache_s = encode_s = 0.0
+    num_events = 0
+    for _ in range(num_requests):
+        prompt = prefix + [rng.randrange(50_000) for _ in range(rng.randint(128, 1024))]
+        whole = prompt + [rng.randrange(50_000) for _ in range(rng.randint(128, 512))]
+        start = time.perf_counter()
+        cache.match_prefix(MatchPrefixParams(key=RadixKey(token_ids=array("q", prompt))))
+        cache.insert(InsertParams(key=RadixKey(token_ids=array("q", prompt)), value=torch.arange(len(prompt))))
+        cache.insert(InsertParams(key=RadixKey(token_ids=array("q", whole)), value=torch.arange(len(whole))))
+        if (over := cache.evictable_size() - pool_tokens) > 0:
+            cache.evict(EvictParams(num_tokens=over))
+        batch = cache.take_events()
+        cache_s += time.perf_counter() - start
+        if batch:
+            start = time.perf_counter()
+            encoder.encode(KVEventBatch(ts=time.time(), events=batch))
+            encode_s += time.perf_counter() - start
+            num_events += len(batch)
+    return 1e6 * cache_s / num_requests, 1e6 * encode_s / num_requests, num_events / num_requests
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=3000, help="requests per round")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of each setting, alternating")
+    parser.add_argument("--pool-tokens", type=int, default=300_000, help="the KV pool (the goal runs': 300k)")
+    args = parser.parse_args()
+    one_round(True, 50, args.pool_tokens, seed=0)  # SGLang compiles its page hash on first use: not a request's cost
+    cache_us: dict[bool, list[float]] = {False: [], True: []}
+    encode_us: list[float] = []
+    for round_index in range(args.rounds):
+        for events in (False, True) if round_index % 2 == 0 else (True, False):
+            cache, encode, per_request = one_round(events, args.requests, args.pool_tokens, seed=round_index + 1)
+            cache_us[events].append(cache)
+            if events:
+                encode_us.append(encode)
+            print(f"round {round_index + 1}, events {'on ' if events else 'off'}: radix cache {cache:7.1f} us a "
+                  f"request" + (f", publisher's encode {encode:5.1f} us, {per_request:.0f} events" if events else ""),
+                  flush=True)
+    off, on = statistics.median(cache_us[False]), statistics.median(cache_us[True])
+    added_us = on - off + statistics.median(encode_us)
+    print(f"\nmedians: off {off:.1f} us, on {on:.1f} us a request ({on / off:.2f}x); KV events add {added_us:.0f} us "
+          f"a request to the scheduler's process (cache and encode)")
+
+
+if __name__ == "__main__":
+    main()
