@@ -26,6 +26,13 @@ with a GPU each, the stack's SGLang stepped 0.94x the server's at one running re
 forty-first stop). Those CPUs are marked in the table.
 
     bash scripts/gpu_run.sh python3 scripts/bench_cpu_neighbours.py --survey
+
+`--siblings CPU...` times the workload on each named CPU while one spinning helper moves over every other CPU in turn:
+a CPU that slows it well beyond the rest shares its physical core. A VM may show one thread per core while the host
+runs two vCPUs on one core's two threads (the forty-third stop's H100 machines: 64 vCPUs, "1 thread per core"); a
+scheduler held on such a vCPU runs as fast as whatever its hidden sibling runs lets it.
+
+    bash scripts/gpu_run.sh python3 scripts/bench_cpu_neighbours.py --siblings 62 14 --rounds 2 --window-s 0.25
 """
 
 from __future__ import annotations
@@ -142,9 +149,16 @@ def main() -> None:
     parser.add_argument("--survey", action="store_true",
                         help="time the workload on each CPU in turn instead (--rounds passes, --window-s each; "
                              "try --window-s 0.3)")
+    parser.add_argument("--siblings", type=int, nargs="+", metavar="CPU", default=None,
+                        help="find which CPUs share a physical core with each of these (--rounds passes, --window-s "
+                             "each; try --window-s 0.25)")
     args = parser.parse_args()
     if args.survey:
         survey(args.rounds, args.window_s)
+        return
+    if args.siblings:
+        for cpu in args.siblings:
+            find_siblings(cpu, args.rounds, args.window_s)
         return
 
     allowed = os.sched_getaffinity(0)
@@ -204,6 +218,62 @@ def cpus_a_scheduler_would_hold(allowed: list[int]) -> list[int]:
             return []
         claim.release()
         return claim.cpus
+
+
+PARKED = -1  # the helper's target while it should sleep: no CPU busy beside the measured one
+
+
+def roaming_spinner(target, stop: mp.Event) -> None:
+    """Spin on the CPU `target` names, following it as it changes; sleep while it is PARKED."""
+    held = None
+    while not stop.is_set():
+        cpu = target.value
+        if cpu == PARKED:
+            time.sleep(0.005)
+            continue
+        if cpu != held:
+            os.sched_setaffinity(0, {cpu})
+            held = cpu
+        for _ in range(20_000):
+            pass
+
+
+def find_siblings(measured_cpu: int, rounds: int, window_s: float) -> None:
+    """The workload's rate on `measured_cpu` with a helper spinning on each other CPU in turn, against its rate with
+    the helper asleep (read between every few others, so a drift does not read as a sibling)."""
+    others = [cpu for cpu in sorted(os.sched_getaffinity(0)) if cpu != measured_cpu]
+    context = mp.get_context("spawn")
+    target, stop = context.Value("i", PARKED), context.Event()
+    helper = context.Process(target=roaming_spinner, args=(target, stop), daemon=True)
+    helper.start()
+    time.sleep(SETTLE_S)
+    beside: dict[int, list[float]] = {cpu: [] for cpu in others}
+    alone: list[float] = []
+    print(f"[cpu-siblings] CPU {measured_cpu}: a spinner on each of {len(others)} other CPUs in turn, {rounds} "
+          f"passes of {window_s} s each", flush=True)
+    try:
+        for round_index in range(rounds):
+            for index, cpu in enumerate(others if round_index % 2 == 0 else others[::-1]):
+                if index % 8 == 0:
+                    target.value = PARKED
+                    time.sleep(0.02)
+                    alone.append(rounds_per_s(measured_cpu, window_s))
+                target.value = cpu
+                time.sleep(0.02)  # the helper moves and spins before the window opens
+                beside[cpu].append(rounds_per_s(measured_cpu, window_s))
+    finally:
+        stop.set()
+        helper.join(timeout=5)
+        if helper.is_alive():
+            helper.kill()
+        os.sched_setaffinity(0, set(others) | {measured_cpu})
+    idle = statistics.median(alone)
+    ratios = sorted((statistics.median(rates) / idle, cpu) for cpu, rates in beside.items())
+    typical = statistics.median(ratio for ratio, _ in ratios)
+    print(f"CPU {measured_cpu} alone: {idle:,.0f} rounds/s; with a spinner elsewhere typically {typical:.2f}x. "
+          f"Slowest beside (a sibling reads well below the rest):")
+    for ratio, cpu in ratios[:6]:
+        print(f"  spinner on CPU {cpu:>3}: {ratio:.2f}x")
 
 
 def report(readings: list[Reading], kinds: list[str], levels: list[int]) -> None:
