@@ -590,6 +590,19 @@ def test_cpu_survey_times_every_allowed_cpu_and_marks_those_a_scheduler_would_ho
         assert max(held) == max(allowed)
 
 
+def test_cpu_siblings_reads_every_other_cpu_and_leaves_this_process_where_it_was(capsys) -> None:
+    neighbours = _script("bench_cpu_neighbours")
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("one CPU: no other to spin on")
+    neighbours.find_siblings(allowed[-1], rounds=1, window_s=0.02)
+    out = capsys.readouterr().out
+    assert sorted(os.sched_getaffinity(0)) == allowed
+    listed = [int(line.split()[3].rstrip(":")) for line in out.splitlines() if line.strip().startswith("spinner on CPU")]
+    assert listed and set(listed) <= set(allowed[:-1])  # the measured CPU is never its own neighbour
+    assert len(listed) == min(6, len(allowed) - 1)
+
+
 def test_hops_traced_beside_a_load_leave_out_the_points_stamped_without_a_request_id() -> None:
     hops = _script("trace_hops")
     idle, loaded = hops.points_of("mock"), hops.points_of("mock", loaded=True)
