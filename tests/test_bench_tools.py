@@ -598,7 +598,8 @@ def test_cpu_siblings_reads_every_other_cpu_and_leaves_this_process_where_it_was
     neighbours.find_siblings(allowed[-1], rounds=1, window_s=0.02)
     out = capsys.readouterr().out
     assert sorted(os.sched_getaffinity(0)) == allowed
-    listed = [int(line.split()[3].rstrip(":")) for line in out.splitlines() if line.strip().startswith("spinner on CPU")]
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith("spinner on CPU")]
+    listed = [int(row[3].rstrip(":")) for row in rows]
     assert listed and set(listed) <= set(allowed[:-1])  # the measured CPU is never its own neighbour
     assert len(listed) == min(6, len(allowed) - 1)
 
