@@ -15,6 +15,12 @@ streams together and the rest one after another, so one run covers every goal:
         sglang=http://127.0.0.1:30000 conveyor=http://127.0.0.1:8000 --concurrency 256 128 64 16 1 \\
         --together-from 16 --rounds 2 --requests-per-stream 8
 
+--group NAME=A,B measures a system as the mean of several instances of it, each round: with `--group sglang=server,
+server2 --group conveyor=a,b` (four targets, a GPU each) the goals are read off the groups, the first the reference.
+On the H100 machines one instance's pace moves by tens of percent with the vCPU its scheduler runs on
+(docs/performance.md, forty-third stop); two of each halve that spread's weight, and each pair's own ratio, printed
+beside, shows it in the same run.
+
 aiperf is taken from `python3 -m aiperf` (scripts/gpu_prepare.sh packs it for the GPU machine; elsewhere
 `pip install aiperf`). Each run's artifacts go under --out.
 """
@@ -309,6 +315,27 @@ def round_ratios(mine: list[dict[str, float]], theirs: list[dict[str, float]], m
     return [mine_row[metric] / max(their_row[metric], 1e-9) for mine_row, their_row in zip(mine, theirs)]
 
 
+def mean_row(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Each measure's mean over instances of one system in one round (the measures all of them have)."""
+    return {key: statistics.fmean(row[key] for row in rows) for key in rows[0] if all(key in row for row in rows)}
+
+
+def with_groups(rounds: dict[str, list[dict[str, float]]],
+                groups: dict[str, list[str]]) -> dict[str, list[dict[str, float]]]:
+    """The groups' rounds (each round the mean of its members'), in the order given, then every target's own."""
+    grouped = {name: [mean_row(list(members_rows)) for members_rows in zip(*(rounds[member] for member in members))]
+               for name, members in groups.items()}
+    return {**grouped, **rounds}
+
+
+def parse_group(text: str) -> tuple[str, list[str]]:
+    name, separator, members = text.partition("=")
+    names = [member for member in members.split(",") if member]
+    if not separator or not name or len(names) < 2:
+        raise argparse.ArgumentTypeError(f"a group is NAME=A,B (two targets or more), not {text!r}")
+    return name, names
+
+
 def print_level(level: Level, rounds: dict[str, list[dict[str, float]]]) -> None:
     names = list(rounds)
     reference = names[0]
@@ -348,11 +375,12 @@ def together_at(args: argparse.Namespace, concurrency: int) -> bool:
     return args.together or (args.together_from is not None and concurrency >= args.together_from)
 
 
-def print_goals(results: dict[Level, dict[str, list[dict[str, float]]]]) -> None:
-    """Issue 11's goals, read off this run's medians over rounds: each system against the first (the reference). Each
-    ratio also as the median of its round-by-round ratios, for reading only: a round of systems run together shares
-    the machine's speed, which that median keeps and the ratio of medians does not."""
-    reference, *others = next(iter(results.values()))
+def print_goals(results: dict[Level, dict[str, list[dict[str, float]]]], num_systems: int | None = None) -> None:
+    """Issue 11's goals, read off this run's medians over rounds: each system against the first (the reference); with
+    `num_systems`, only the first that many (the groups, where there are). Each ratio also as the median of its
+    round-by-round ratios, for reading only: a round of systems run together shares the machine's speed, which that
+    median keeps and the ratio of medians does not."""
+    reference, *others = list(next(iter(results.values())))[:num_systems]
     for name in others:
         print(f"\nissue 11's goals, {name} against {reference} (medians over rounds; in brackets the median of the "
               "rounds' own ratios, and of those over only the time all streamed where they ran together)")
@@ -437,6 +465,9 @@ def main() -> None:
                         help="run together only the levels of at least STREAMS streams, and the rest one system "
                              "after another: at one stream two engines on one GPU step at the rate they share, which "
                              "hides an engine's own rate (e.g. --concurrency 256 64 16 1 --together-from 16)")
+    parser.add_argument("--group", type=parse_group, action="append", default=[], metavar="NAME=A,B",
+                        help="a system measured as the mean of several targets, each round (repeat for each system; "
+                             "the first group is the reference, and the goals are read off the groups)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench-aiperf"))
     args = parser.parse_args()
     args.requests_per_stream_at = dict(args.requests_per_stream_at)
@@ -452,6 +483,14 @@ def main() -> None:
         parser.error(f"a level may run at most {MAX_PASSES} times in one run")
     if len({name for name, _ in args.targets}) != len(args.targets):
         parser.error("target names must differ")
+    groups = dict(args.group)
+    grouped = [member for members in groups.values() for member in members]
+    if len(groups) != len(args.group) or set(groups) & {name for name, _ in args.targets}:
+        parser.error("group names must differ from each other and from the targets'")
+    if not set(grouped) <= {name for name, _ in args.targets} or len(set(grouped)) != len(grouped):
+        parser.error("a group's members are targets, each in one group at most")
+    if len(groups) == 1:
+        parser.error("groups are compared with each other: give two or more")
     seed_base = args.seed_base if args.seed_base is not None else random.randrange(1_000_000)
     say(f"seed base {seed_base} (--seed-base {seed_base} repeats these prompts)")
 
@@ -492,12 +531,12 @@ def main() -> None:
             for name, row in rows.items():
                 rounds[name].append(row)
                 say(f"  {name}: " + ", ".join(f"{key} {value:.1f}" for key, value in row.items()))
-        results[level] = rounds
-        print_level(level, rounds)
+        results[level] = with_groups(rounds, groups)
+        print_level(level, results[level])
         # Written after every level, so that a run cut off by a time limit keeps the levels it finished.
         (args.out / "results.json").write_text(json.dumps(
             {"seed_base": seed_base, "levels": {str(done): rows for done, rows in results.items()}}, indent=1))
-    print_goals(results)
+    print_goals(results, len(groups) or None)
 
 
 if __name__ == "__main__":

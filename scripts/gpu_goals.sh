@@ -26,6 +26,8 @@
 # GOALS_STEPS picks and orders them (default: all, in the order above). GOALS_ALSO="NAME=URL ..." adds targets to
 # the aiperf, ttft, streams, onestream and onechat steps, measured in the same rounds
 # (GOALS_ALSO=b=http://127.0.0.1:8001).
+# GOALS_GROUPS="servers=sglang,server2 stacks=conveyor,b" reads the aiperf step's goals off each group's mean
+# (bench_aiperf.py --group): each system twice, a GPU each, so that one instance's vCPU weighs half as much.
 # GOALS_TOGETHER=1 runs the aiperf step's systems at the same time in each round (bench_aiperf.py --together);
 # GOALS_TOGETHER_FROM=N only the levels of at least N streams (the rest one system after another).
 # GOALS_REQUESTS_PER_STREAM (default 4) lengthens each aiperf run: at 4, a 64-stream run is 7-9 s under load in 40 s;
@@ -65,6 +67,7 @@ run_step() {  # run_step NAME ROUNDS
                     --requests-per-stream "${GOALS_REQUESTS_PER_STREAM:-4}" \
                     $(for level in ${GOALS_REQUESTS_AT:-}; do echo --requests-per-stream-at "$level"; done) \
                     $(for level in ${GOALS_ROUNDS_AT:-}; do echo --rounds-at "$level"; done) \
+                    $(for group in ${GOALS_GROUPS:-}; do echo --group "$group"; done) \
                     ${GOALS_MIN_REQUESTS:+--min-requests "$GOALS_MIN_REQUESTS"} ${GOALS_TOGETHER:+--together} \
                     ${GOALS_TOGETHER_FROM:+--together-from "$GOALS_TOGETHER_FROM"} ;;
         ttft) step ttft python3 scripts/bench_ttft.py --model .gpu/smol "$server" "$stack" "${also_urls[@]}" ;;

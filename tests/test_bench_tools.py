@@ -511,6 +511,34 @@ def test_aiperf_level_named_again_runs_again_with_fresh_prompts_and_is_reported_
     assert set(json.loads((out / "results.json").read_text())["levels"]) == {"4", "8", "4#2"}
 
 
+def test_aiperf_groups_read_the_goals_off_each_system_s_mean_and_show_each_pair_apart(tmp_path: Path,
+                                                                                       fake_aiperf: None) -> None:
+    completed = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_aiperf.py"), "--tokenizer", str(tmp_path), "--together",
+         "--concurrency", "4", "--rounds", "2", "--min-requests", "2", "--out", str(tmp_path / "out"),
+         "server=http://127.0.0.1:30000", "server2=http://127.0.0.1:30002", "a=http://127.0.0.1:29000",
+         "b=http://127.0.0.1:29400", "--group", "sglang=server,server2", "--group", "conveyor=a,b"],
+        capture_output=True, text=True, timeout=90, check=True)
+    assert "round 2/2: server, server2, a, b together" in completed.stderr
+    # The fake's token rate is its URL's port: (29000 + 29400) / 2 over (30000 + 30002) / 2.
+    assert "conveyor   | tok/s ratio by round: 0.97×, 0.97×" in completed.stdout
+    assert "c=4    output tok/s ≥ 0.97×: 0.973× met" in completed.stdout
+    assert "server ÷ server2 | tok/s by round: 1.00, 1.00" in completed.stdout  # the pair's own spread
+    assert "a ÷ b | tok/s by round: 0.99, 0.99" in completed.stdout
+    assert completed.stdout.count("issue 11's goals,") == 1  # the groups only, not every instance against them
+    levels = json.loads((tmp_path / "out" / "results.json").read_text())["levels"]
+    assert levels["4"]["conveyor"][0]["tok/s"] == 29200.0
+
+
+def test_aiperf_group_of_unknown_targets_is_refused() -> None:
+    completed = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_aiperf.py"), "--tokenizer", ".", "sglang=http://127.0.0.1:30000",
+         "conveyor=http://127.0.0.1:8000", "--group", "s=sglang,server2", "--group", "c=conveyor,b"],
+        capture_output=True, text=True, timeout=30)
+    assert completed.returncode == 2
+    assert "a group's members are targets" in completed.stderr
+
+
 def test_aiperf_too_many_rounds_for_fresh_seeds_is_refused() -> None:
     completed = subprocess.run(
         [sys.executable, str(SCRIPTS / "bench_aiperf.py"), "--tokenizer", ".", "--rounds", "100",
