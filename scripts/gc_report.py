@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sglang_steps import aiperf_levels, read_lines  # noqa: E402
+from sglang_steps import aiperf_levels, clock, read_lines  # noqa: E402
 
 GENERATIONS = 3
 
@@ -98,10 +98,6 @@ def print_span(title: str, processes: list[Process], start_s: int, end_s: int) -
         by_gen = " ".join(f"{100 * seconds[g] / span_s:7.2f}" for g in range(GENERATIONS))
         rates = " ".join(f"{counts[g] / span_s:7.1f}" for g in range(GENERATIONS))
         print(f"  {100 * share:13.2f} {by_gen} {rates} {span_s:6.0f}  {process.pid} {process.label}")
-
-
-def clock(second: int) -> str:
-    return f"{second // 3600:02d}:{second // 60 % 60:02d}:{second % 60:02d}"
 
 
 def main() -> None:

@@ -103,10 +103,10 @@ profile_at() {  # profile_at LABEL: py-spy on every SGLang scheduler for 15 s, o
     done
     # Named by GPU: on a machine of several, each system has a GPU of its own. nvidia-smi tells which (SGLang's
     # process title overwrites the scheduler's /proc/PID/environ, CUDA_VISIBLE_DEVICES with it).
-    local gpu_of; gpu_of=$(nvidia-smi --query-gpu=uuid,index --format=csv,noheader 2>/dev/null | tr -d ' ')
+    local gpu_of apps; gpu_of=$(nvidia-smi --query-gpu=uuid,index --format=csv,noheader 2>/dev/null | tr -d ' ')
+    apps=$(nvidia-smi --query-compute-apps=pid,gpu_uuid --format=csv,noheader 2>/dev/null | tr -d ' ')
     for pid in $(pgrep -f '^sglang::scheduler'); do
-        uuid=$(nvidia-smi --query-compute-apps=pid,gpu_uuid --format=csv,noheader 2>/dev/null | tr -d ' ' \
-            | awk -F, -v pid="$pid" '$1 == pid { print $2 }')
+        uuid=$(echo "$apps" | awk -F, -v pid="$pid" '$1 == pid { print $2 }')
         gpu=$(echo "$gpu_of" | awk -F, -v uuid="$uuid" '$1 == uuid { print $2 }')
         schedulers+=("scheduler-gpu${gpu:-x}-$pid=$pid")
     done
