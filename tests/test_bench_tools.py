@@ -670,3 +670,27 @@ def test_gc_probe_does_nothing_without_its_folder(tmp_path: Path) -> None:
                             capture_output=True, text=True)
     assert result.stdout.strip() == "0"
     assert not list(tmp_path.iterdir())
+
+
+def test_goals_noise_counts_the_rows_each_system_meets_against_each_other_one(tmp_path: Path) -> None:
+    def row(tokens_per_s: float, itl_p99_ms: float = 4.0) -> dict[str, float]:
+        return {"tok/s": tokens_per_s, "TTFT p50": 20.0, "TTFT p99": 40.0, "ITL p50": 2.0, "ITL p99": itl_p99_ms,
+                "gap p99": 3.0}
+
+    # Two levels (2 goals at 16, 3 at 1); server2 is the server's twin, 5% slower at 16 streams.
+    results = {"seed_base": 1, "levels": {
+        "16": {"sglang": [row(1000), row(1000)], "server2": [row(950), row(950)], "conveyor": [row(990), row(990)]},
+        "1": {"sglang": [row(400), row(400)], "server2": [row(400), row(400)], "conveyor": [row(400), row(400)]}}}
+    path = tmp_path / "aiperf-results.json"
+    path.write_text(json.dumps(results))
+    completed = subprocess.run([sys.executable, str(SCRIPTS / "goals_noise.py"), str(path), "--pair", "server2=sglang"],
+                               capture_output=True, text=True, timeout=60, check=True)
+    lines = completed.stdout.splitlines()
+    matrix = {line.split()[0]: line.split()[1:] for line in lines[2:5]}
+    assert matrix == {"sglang": ["-", "5/5", "5/5"], "server2": ["4/5", "-", "4/5"], "conveyor": ["5/5", "5/5", "-"]}
+    assert "server2 against sglang: 4 of 5 met" in lines
+    assert "  c=16   output tok/s ≥ 0.97×: 0.95× NOT met" in lines
+
+    missing = subprocess.run([sys.executable, str(SCRIPTS / "goals_noise.py"), str(path), "--pair", "b=sglang"],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "not in every level" in missing.stderr and "b" in missing.stderr
