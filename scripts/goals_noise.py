@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_aiperf import GoalCheck, goal_checks  # noqa: E402
 from bench_vs_sglang import median_row  # noqa: E402
+from profile_processes import named  # noqa: E402
 
 Rounds = dict[str, list[dict[str, float]]]  # system name → one row of measures per round
 
@@ -72,17 +73,10 @@ def print_pair(levels: dict[str, Rounds], mine: str, reference: str) -> None:
         print(f"  c={level_name:<4} {check.line()}")
 
 
-def parse_pair(text: str) -> tuple[str, str]:
-    mine, separator, reference = text.partition("=")
-    if not separator or not mine or not reference:
-        raise argparse.ArgumentTypeError(f"a pair is MINE=REFERENCE, not {text!r}")
-    return mine, reference
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", type=Path, help="bench_aiperf's results.json (aiperf-results.json)")
-    parser.add_argument("--pair", type=parse_pair, action="append", default=[], metavar="MINE=REFERENCE",
+    parser.add_argument("--pair", type=named, action="append", default=[], metavar="MINE=REFERENCE",
                         help="also list each goal of this pair, met or not (repeat for more pairs)")
     args = parser.parse_args()
     levels = load_levels(args.results)
