@@ -109,8 +109,10 @@ async def test_an_adapter_changes_only_its_own_requests_and_unloading_restores_t
     (base, base_cached), (tuned, tuned_cached), (again, again_cached) = await asyncio.gather(
         answer(engine, "base"), answer(engine, "tuned", "french"), answer(engine, "again", "french"))
     assert base == base_alone and tuned == again and tuned != base
-    # The base model's cached prompt is no use to the adapter: its K/V differ (its keys are salted).
-    assert base_cached > 0 and tuned_cached == again_cached == 0
+    # The base model's cached prompt is no use to the adapter: its K/V differ (its keys are salted). Whichever adapter
+    # request was prefilled first found nothing cached; the other may reuse the first's own K/V where the engine's
+    # thread took it up a step later (a busy CI machine), which is the adapter's cache working, not the base model's.
+    assert base_cached > 0 and min(tuned_cached, again_cached) == 0
     _, cached_later = await answer(engine, "tuned-later", "french")
     assert cached_later > 0
     await engine.unload_lora("french")
