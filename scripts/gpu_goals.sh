@@ -192,6 +192,9 @@ case "${1:-}" in
         mkdir -p "$out"
         cp "$dir"/*.log "$out"/ 2>/dev/null || true
         cp "$dir/aiperf/results.json" "$out/aiperf-results.json" 2>/dev/null || true
+        # The rows each system meets against each other one: with a twin held (server2, stack b), the method's floor.
+        [ -f "$out/aiperf-results.json" ] \
+            && python3 scripts/goals_noise.py "$out/aiperf-results.json" > "$out/goals-noise.txt" 2>&1 || true
         # aiperf's own log of each warm-up run: where its start-up went (thirty-ninth stop: two tokenizer loads).
         for warmup in "$dir"/aiperf/warmup/*/; do
             [ -f "$warmup/aiperf.log" ] && cp "$warmup/aiperf.log" "$out/warmup-$(basename "$warmup")-aiperf.log"

@@ -267,10 +267,15 @@ def test_goals_wait_prints_the_goals_and_packs_what_the_run_wrote_into_one_tar(t
     (run / "gpu-clocks.log").write_text(
         "2026/11/27 07:22:53.001, 0, 1980 MHz, 250.10 W, 60 %, 40, 0x0000000000000000\n")
     (run / "run.log").write_text("the runner's own output\n")
+    row = {"tok/s": 100.0, "TTFT p50": 20.0, "TTFT p99": 40.0, "ITL p50": 2.0, "ITL p99": 4.0, "gap p99": 3.0}
+    (run / "aiperf" / "results.json").write_text(
+        json.dumps({"seed_base": 1, "levels": {"16": {"sglang": [row], "conveyor": [{**row, "tok/s": 90.0}]}}}))
     (run / "done").touch()
     out = tmp_path / "back" / "x"
+    # The GPU machine's python3 has the project's packages; here, this interpreter's.
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
     done = subprocess.run(["bash", str(SCRIPTS / "gpu_goals.sh"), "wait", "5", str(out)], capture_output=True,
-                          text=True, env={**os.environ, "GOALS_DIR": str(run)}, timeout=60)
+                          text=True, env={**os.environ, "GOALS_DIR": str(run), "PATH": path}, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "tok/s ratio by round: 0.97×, 1.00×" in done.stdout and "c=16   output tok/s" in done.stdout
     assert not out.exists()  # packed, not left as a folder
@@ -278,8 +283,13 @@ def test_goals_wait_prints_the_goals_and_packs_what_the_run_wrote_into_one_tar(t
         names = set(packed.getnames())
     assert "1980" in done.stdout  # each GPU's clock under load, summarized
     assert {"x/aiperf.log", "x/progress.log", "x/top.log.xz", "x/warmup-conveyor-0-aiperf.log.xz",
-            "x/gpu-clocks.log.xz", "x/gpu-clocks.txt"} <= names
+            "x/gpu-clocks.log.xz", "x/gpu-clocks.txt", "x/aiperf-results.json", "x/goals-noise.txt"} <= names
     assert "x/run.log" not in names
+    with tarfile.open(out.parent / "x.tar") as packed:
+        noise = packed.extractfile("x/goals-noise.txt").read().decode()  # type: ignore[union-attr]
+    # At 0.90× of the server's token rate, the same ITL: the stack meets one row of two, the server both.
+    assert noise.splitlines()[2].split() == ["sglang", "-", "2/2"]
+    assert noise.splitlines()[3].split() == ["conveyor", "1/2", "-"]
 
 
 def test_gpu_clocks_counts_only_loaded_samples_and_which_were_held_back() -> None:
