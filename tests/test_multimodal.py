@@ -178,8 +178,12 @@ async def image_server() -> str:  # type: ignore[misc]
     async def red(_: web.Request) -> web.Response:
         return web.Response(body=png((220, 20, 20)), content_type="image/png")
 
+    released = asyncio.Event()
+
     async def slow(_: web.Request) -> web.Response:
-        await asyncio.sleep(30)
+        # Answers only once the test is over: a fetch times out first, and the server's clean-up, which waits for
+        # every handler in flight, does not wait out a sleep.
+        await released.wait()
         return web.Response(body=b"")
 
     app = web.Application()
@@ -190,6 +194,7 @@ async def image_server() -> str:  # type: ignore[misc]
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     yield f"http://127.0.0.1:{port}"
+    released.set()
     await runner.cleanup()
 
 
