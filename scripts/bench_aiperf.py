@@ -496,13 +496,14 @@ def main() -> None:
                      "(each round's prompts have a seed of their own)")
     if max(level.pass_number for level in levels) > MAX_PASSES:
         parser.error(f"a level may run at most {MAX_PASSES} times in one run")
-    if len({name for name, _ in args.targets}) != len(args.targets):
+    target_names = {name for name, _ in args.targets}
+    if len(target_names) != len(args.targets):
         parser.error("target names must differ")
     groups = dict(args.group)
     grouped = [member for members in groups.values() for member in members]
-    if len(groups) != len(args.group) or set(groups) & {name for name, _ in args.targets}:
+    if len(groups) != len(args.group) or set(groups) & target_names:
         parser.error("group names must differ from each other and from the targets'")
-    if not set(grouped) <= {name for name, _ in args.targets} or len(set(grouped)) != len(grouped):
+    if not set(grouped) <= target_names or len(set(grouped)) != len(grouped):
         parser.error("a group's members are targets, each in one group at most")
     if len(groups) == 1:
         parser.error("groups are compared with each other: give two or more")

@@ -241,7 +241,8 @@ def roaming_spinner(target, stop: mp.Event) -> None:
 def find_siblings(measured_cpu: int, rounds: int, window_s: float) -> None:
     """The workload's rate on `measured_cpu` with a helper spinning on each other CPU in turn, against its rate with
     the helper asleep (read between every few others, so a drift does not read as a sibling)."""
-    others = [cpu for cpu in sorted(os.sched_getaffinity(0)) if cpu != measured_cpu]
+    allowed = os.sched_getaffinity(0)
+    others = [cpu for cpu in sorted(allowed) if cpu != measured_cpu]
     context = mp.get_context("spawn")
     target, stop = context.Value("i", PARKED), context.Event()
     helper = context.Process(target=roaming_spinner, args=(target, stop), daemon=True)
@@ -266,7 +267,7 @@ def find_siblings(measured_cpu: int, rounds: int, window_s: float) -> None:
         helper.join(timeout=5)
         if helper.is_alive():
             helper.kill()
-        os.sched_setaffinity(0, set(others) | {measured_cpu})
+        os.sched_setaffinity(0, allowed)  # rounds_per_s held this process on the CPU it timed
     idle = statistics.median(alone)
     ratios = sorted((statistics.median(rates) / idle, cpu) for cpu, rates in beside.items())
     typical = statistics.median(ratio for ratio, _ in ratios)
