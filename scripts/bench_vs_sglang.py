@@ -45,10 +45,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
-from workers.launcher import stop_processes  # noqa: E402
+# prometheus_client and the project's packages are imported where they are used: the GPU machine's reports
+# (goals_noise.py, through bench_aiperf) import this module with only the standard library to hand.
 
 
 def say(message: str) -> None:
@@ -159,6 +157,8 @@ class Servers:
 
     def stop(self) -> None:
         """Clients of the bus first (gateway, processor, decode), the nats-server once they are gone."""
+        from workers.launcher import stop_processes
+
         order = [name for name in reversed(self.processes) if name != "nats"] + ["nats"] * ("nats" in self.processes)
         for name in order:
             asyncio.run(stop_processes([self.processes[name]], grace_s=30))
@@ -418,6 +418,8 @@ def scrape(name: str) -> dict[str, float]:
 def itl_buckets() -> dict[float, float]:
     """The decode worker's inter-token histogram, {upper bound s: cumulative count}: the gaps as the worker saw them
     leave the engine, before the bus and the gateway."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     buckets: dict[float, float] = {}
     for family in text_string_to_metric_families(metrics_text("decode")):
         if family.name == "conveyor_inter_token_latency_seconds":

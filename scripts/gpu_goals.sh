@@ -193,6 +193,7 @@ case "${1:-}" in
         cp "$dir"/*.log "$out"/ 2>/dev/null || true
         cp "$dir/aiperf/results.json" "$out/aiperf-results.json" 2>/dev/null || true
         # The rows each system meets against each other one: with a twin held (server2, stack b), the method's floor.
+        # The standard library's python3 runs it, as the reports below: the GPU machine's has no other package.
         [ -f "$out/aiperf-results.json" ] \
             && python3 scripts/goals_noise.py "$out/aiperf-results.json" > "$out/goals-noise.txt" 2>&1 || true
         # aiperf's own log of each warm-up run: where its start-up went (thirty-ninth stop: two tokenizer loads).

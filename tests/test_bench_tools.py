@@ -272,7 +272,7 @@ def test_goals_wait_prints_the_goals_and_packs_what_the_run_wrote_into_one_tar(t
         json.dumps({"seed_base": 1, "levels": {"16": {"sglang": [row], "conveyor": [{**row, "tok/s": 90.0}]}}}))
     (run / "done").touch()
     out = tmp_path / "back" / "x"
-    # The GPU machine's python3 has the project's packages; here, this interpreter's.
+    # python3 here is this interpreter, which has the project's packages (on the GPU machine: the unpacked deps).
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
     done = subprocess.run(["bash", str(SCRIPTS / "gpu_goals.sh"), "wait", "5", str(out)], capture_output=True,
                           text=True, env={**os.environ, "GOALS_DIR": str(run), "PATH": path}, timeout=60)
@@ -693,8 +693,9 @@ def test_goals_noise_counts_the_rows_each_system_meets_against_each_other_one(tm
         "1": {"sglang": [row(400), row(400)], "server2": [row(400), row(400)], "conveyor": [row(400), row(400)]}}}
     path = tmp_path / "aiperf-results.json"
     path.write_text(json.dumps(results))
-    completed = subprocess.run([sys.executable, str(SCRIPTS / "goals_noise.py"), str(path), "--pair", "server2=sglang"],
-                               capture_output=True, text=True, timeout=60, check=True)
+    # -S: no site-packages, as on the GPU machine, whose python3 has only the standard library.
+    completed = subprocess.run([sys.executable, "-S", str(SCRIPTS / "goals_noise.py"), str(path),
+                                "--pair", "server2=sglang"], capture_output=True, text=True, timeout=60, check=True)
     lines = completed.stdout.splitlines()
     matrix = {line.split()[0]: line.split()[1:] for line in lines[2:5]}
     assert matrix == {"sglang": ["-", "5/5", "5/5"], "server2": ["4/5", "-", "4/5"], "conveyor": ["5/5", "5/5", "-"]}
