@@ -31,7 +31,8 @@
 # it about a tenth, so only the stack evicted (docs/performance.md, twenty-second stop); at info each engine logs its
 # batches, from which scripts/sglang_steps.py reads its own step rate (`gpu_goals.sh wait` does).
 # Start the stacks one after the other: SGLang sizes its pool from the memory it finds free. Logs: /tmp/sglang-server.log,
-# /tmp/conveyor-<a|b>.log and /tmp/<a|b>/bench-vs-sglang-conveyor/. The server carries .gpu/sglang-site.tar.xz,
+# /tmp/conveyor-<a|b>.log and /tmp/<a|b>/bench-vs-sglang-conveyor/. SGLang is unpacked first, in a call carrying only
+# .gpu/sglang-site.tar.xz (`bash scripts/gpu_run.sh true`); the server carries .gpu/sglang-kernels.tar.xz,
 # .gpu/sglang-server.tar.xz and .gpu/smol; a stack .gpu/conveyor-deps.tar.xz, .gpu/bin and .gpu/smol (one call each:
 # they do not fit one transfer).
 set -euo pipefail
@@ -97,11 +98,13 @@ case "${1:-}" in
         if [ -n "${GATEWAY_WORKERS:-}" ]; then options+=(--gateway-workers "$GATEWAY_WORKERS"); fi
         # A stack's calls carry no SGLang (it does not fit beside conveyor-deps): the server's call on this machine
         # unpacked it. On a machine just started, say so now, not after a stack that cannot import it gave up.
-        if [ ! -f /tmp/sglang-site/.unpacked ] && [ ! -f .gpu/sglang-site.tar.xz ]; then
-            echo "[gpu-hold] SGLang is not unpacked on this machine (a fresh one?): start the server first in this" \
-                 "lease (bash scripts/gpu_hold.sh server), or carry .gpu/sglang-site.tar.xz and .gpu/sglang-server.tar.xz" >&2
-            exit 3
-        fi
+        for pack in sglang-site sglang-kernels; do
+            if [ ! -f "/tmp/$pack/.unpacked" ] && [ ! -f ".gpu/$pack.tar.xz" ]; then
+                echo "[gpu-hold] SGLang ($pack) is not unpacked on this machine (a fresh one?): start the server first" \
+                     "in this lease (bash scripts/gpu_hold.sh server), or carry .gpu/$pack.tar.xz" >&2
+                exit 3
+            fi
+        done
         mkdir -p "/tmp/$name"
         engine="{\"sleep_on_idle\": true, \"max_total_tokens\": $POOL_TOKENS, \"log_level\": \"info\"}"
         (env CONVEYOR_SGLANG_EXTRA_SERVER_ARGS="$engine" "$@" setsid nohup bash scripts/gpu_run.sh \

