@@ -20,6 +20,12 @@ cd "$(dirname "$0")/.."
 OUT=.gpu
 mkdir -p "$OUT"
 say() { printf '[gpu-prepare] %s\n' "$*" >&2; }
+# The model folders come from the project's own environment (the bundled SmolLM2 tokenizer, the Qwen2-VL writer): say
+# so before ~470 MB of downloads rather than after them.
+if { [ ! -f "$OUT/smol/tokenizer.json" ] || [ ! -f "$OUT/qwen2vl/config.json" ]; } && [ ! -x .venv/bin/python ]; then
+    say "needs the project's environment for .gpu/smol and .gpu/qwen2vl: run bash scripts/setup.sh first"
+    exit 2
+fi
 PLAT="--only-binary=:all: --python-version 3.12 --implementation cp"
 for n in 17 24 26 27 28 31 34; do PLAT="$PLAT --platform manylinux_2_${n}_x86_64"; done
 PLAT="$PLAT --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any"
