@@ -46,8 +46,7 @@ pack() {  # pack NAME PACKAGES...: download wheels without deps, install into a 
         mkdir -p "$site"/IPython
         printf 'from . import display\n' > "$site"/IPython/__init__.py
         printf 'class HTML:\n    def __init__(self, data=None, *a, **k):\n        self.data = data\n\n\ndef display(*objs, **kw):\n    print(*objs)\n' > "$site"/IPython/display.py
-    fi
-    if [ "$name" = sglang-site ]; then
+        # The compiled kernels go in a pack of their own (see the header).
         local kernels; kernels=$(mktemp -d)
         for path in "$site"/sgl_kernel "$site"/sglang_kernel-* "$site"/flashinfer "$site"/flashinfer_python-* \
                     "$site"/xgrammar "$site"/xgrammar-* "$site"/tvm_ffi "$site"/apache_tvm_ffi-*; do

@@ -272,7 +272,7 @@ def test_goals_wait_prints_the_goals_and_packs_what_the_run_wrote_into_one_tar(t
         json.dumps({"seed_base": 1, "levels": {"16": {"sglang": [row], "conveyor": [{**row, "tok/s": 90.0}]}}}))
     (run / "done").touch()
     out = tmp_path / "back" / "x"
-    # python3 here is this interpreter, which has the project's packages (on the GPU machine: the unpacked deps).
+    # python3 here is this interpreter; the reports `wait` runs need only the standard library, as on the GPU machine.
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
     done = subprocess.run(["bash", str(SCRIPTS / "gpu_goals.sh"), "wait", "5", str(out)], capture_output=True,
                           text=True, env={**os.environ, "GOALS_DIR": str(run), "PATH": path}, timeout=60)
