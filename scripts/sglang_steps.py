@@ -18,6 +18,12 @@ streams running (or of the most the first engine ran there, where its limit is l
 `--concurrency 16 256 16` run apart.
 
     python scripts/sglang_steps.py server=server-batches.log conveyor=conveyor-batches.log --levels aiperf.log
+
+Two columns split a slower step rate: `decode step ms`, the median step of the windows with no prefill logged among
+their steps (the decode step alone), and `ms a prefill`, what each prefill added to its window beyond that many decode
+steps (the prefill's own step, mostly: a small model's prefill runs without CUDA graphs and its time is the
+scheduler's CPU). An engine whose decode steps match and whose prefills cost more is slower where its Python runs
+the forward eagerly (docs/performance.md, forty-sixth stop).
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ _USAGE = re.compile(r"token usage: ([\d.]+)")
 # bench_aiperf.py's progress: `[bench-aiperf 05:39:48] concurrency 16#2, round 1/3: sglang, conveyor together`.
 _AIPERF_STAMP = re.compile(r"^\[bench-aiperf (\d\d):(\d\d):(\d\d)\]")
 _AIPERF_ROUND = re.compile(r"\] concurrency (\d+)(#\d+)?, round \d+/\d+")
+# SGLang logs a `Decode batch` line every this many decode steps (its --decode-log-interval default).
+DECODE_LOG_STEPS = 40
 # At least this share of a level's streams running: its steady windows, not its ramp or its drain.
 STEADY_SHARE = 0.75
 
@@ -51,6 +59,12 @@ class Window:
     tokens_per_s: float
     token_usage: float | None  # the KV pool's fill, 0-1
     second: int | None  # of the clock (since midnight), where the line is stamped
+    prefills_within: int = 0  # `Prefill batch` lines logged since the window before: 0, its steps were decode alone
+
+    @property
+    def step_ms(self) -> float:
+        """One step's time, where the window's steps all ran `running` requests (a decode-only window's do)."""
+        return 1000 * self.running / self.tokens_per_s if self.tokens_per_s > 0 else math.inf
 
 
 def second_of(line: str) -> int | None:
@@ -61,13 +75,16 @@ def second_of(line: str) -> int | None:
 
 def decode_windows(lines: list[str]) -> list[Window]:
     windows = []
+    prefills = 0
     for line in lines:
         if not (decode := _DECODE.search(line)):
+            prefills += 1 if _PREFILL.search(line) else 0
             continue
         usage = _USAGE.search(line)
         windows.append(Window(
             running=int(decode[1]), tokens_per_s=float(decode[2]), token_usage=float(usage[1]) if usage else None,
-            second=second_of(line)))
+            second=second_of(line), prefills_within=prefills))
+        prefills = 0
     return windows
 
 
@@ -83,6 +100,13 @@ class EngineSteps:
     new_tokens_per_prefill: float  # prompt tokens computed per prefill batch (cached ones not)
     cached_tokens_per_prefill: float  # prompt tokens found in the radix cache per prefill batch
     mean_token_usage: float  # the KV pool's fill over the loaded windows, 0-1
+    # Windows with no prefill among their 40 steps, and their median step (ms): the decode step alone, so a slower
+    # engine shows whether its decode steps are slower or its prefills cost its running requests more.
+    decode_only_windows: int
+    decode_only_step_ms: float
+    # What each prefill added to its window beyond DECODE_LOG_STEPS decode-only steps (median over the windows with
+    # one or more): the prefill's own step, and the time its slot was empty between a request and the next.
+    prefill_cost_ms: float
 
 
 def read_lines(path: Path) -> list[str]:
@@ -103,6 +127,10 @@ def engine_steps(name: str, lines: list[str], min_running: int, max_running: int
                               "(does it log at info?)")
     prefills = [(int(m[1]), int(m[2]), int(m[3])) for line in lines if (m := _PREFILL.search(line))]
     usage = [window.token_usage for window in loaded if window.token_usage is not None]
+    decode_only = [window.step_ms for window in loaded if window.prefills_within == 0]
+    decode_step_ms = statistics.median(decode_only) if decode_only else math.nan
+    prefill_costs = [DECODE_LOG_STEPS * (window.step_ms - decode_step_ms) / window.prefills_within
+                     for window in loaded if window.prefills_within > 0]
     return EngineSteps(
         name=name,
         windows=len(loaded),
@@ -114,6 +142,9 @@ def engine_steps(name: str, lines: list[str], min_running: int, max_running: int
         new_tokens_per_prefill=statistics.fmean(new for _, new, _ in prefills) if prefills else 0.0,
         cached_tokens_per_prefill=statistics.fmean(cached for _, _, cached in prefills) if prefills else 0.0,
         mean_token_usage=statistics.fmean(usage) if usage else 0.0,
+        decode_only_windows=len(decode_only),
+        decode_only_step_ms=decode_step_ms,
+        prefill_cost_ms=statistics.median(prefill_costs) if prefill_costs and decode_only else math.nan,
     )
 
 
@@ -242,7 +273,8 @@ def print_table(logs: dict[str, list[str]], min_running: int, max_running: int |
             print(f"{missing}; left out", file=sys.stderr)
     base = engines[0]
     print(f"{'engine':<12} {'windows':>7} {'running':>8} {'tok/s':>14} {'steps/s per request':>22} "
-          f"{'prefills':>9} {'seqs/prefill':>12} {'new tok/prefill':>15} {'cached tok/prefill':>18} {'pool used':>9}")
+          f"{'prefills':>9} {'seqs/prefill':>12} {'new tok/prefill':>15} {'cached tok/prefill':>18} {'pool used':>9} "
+          f"{'decode-only':>11} {'decode step ms':>15} {'ms a prefill':>14}")
     for engine in engines:
         ratio = "" if engine is base else f" {engine.tokens_per_s / base.tokens_per_s:.2f}x"
         step_ratio = "" if engine is base else f" {engine.steps_per_s_per_request / base.steps_per_s_per_request:.2f}x"
@@ -250,8 +282,18 @@ def print_table(logs: dict[str, list[str]], min_running: int, max_running: int |
               f"{engine.tokens_per_s:>8.0f}{ratio:<6} {engine.steps_per_s_per_request:>15.1f}{step_ratio:<7} "
               f"{engine.prefill_batches:>9} {engine.sequences_per_prefill:>12.2f} "
               f"{engine.new_tokens_per_prefill:>15.0f} {engine.cached_tokens_per_prefill:>18.0f} "
-              f"{engine.mean_token_usage:>9.2f}")
+              f"{engine.mean_token_usage:>9.2f} {engine.decode_only_windows:>11} "
+              f"{engine.decode_only_step_ms:>8.3f}{ratio_of(engine, base, 'decode_only_step_ms'):<7} "
+              f"{engine.prefill_cost_ms:>7.1f}{ratio_of(engine, base, 'prefill_cost_ms'):<7}")
     return [engine.name for engine in engines]
+
+
+def ratio_of(engine: EngineSteps, base: EngineSteps, field: str) -> str:
+    """The engine's figure over the first engine's ("" for the first, or where either has none)."""
+    mine, theirs = getattr(engine, field), getattr(base, field)
+    if engine is base or not (math.isfinite(mine) and math.isfinite(theirs)) or theirs <= 0:
+        return ""
+    return f" {mine / theirs:.2f}x"
 
 
 if __name__ == "__main__":

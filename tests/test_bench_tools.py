@@ -81,6 +81,23 @@ def test_sglang_step_rates_are_read_from_loaded_windows_only(tmp_path: Path) -> 
     assert engine.mean_token_usage == 0.13  # the loaded windows' fill, not the warm-up's
 
 
+def test_sglang_steps_split_decode_only_windows_from_those_a_prefill_interrupted(tmp_path: Path) -> None:
+    # Two windows of 16 running with no prefill (2.0 and 2.2 ms a step), one with a prefill logged before it (its 40
+    # steps took 40 × 2.5 ms: 16 ms more than decode alone at the median 2.1 ms), and one with two (40 ms more: 20 each).
+    decode = "[t] Decode batch, #running-req: 16, #token: 9000, token usage: 0.03, gen throughput (token/s): {:.4f}\n"
+    prefill = "[t] Prefill batch, #new-seq: 1, #new-token: 600, #cached-token: 16, token usage: 0.03\n"
+    log = tmp_path / "batches.log"
+    log.write_text(decode.format(16 / 2.0e-3) + decode.format(16 / 2.2e-3) + prefill + decode.format(16 / 2.5e-3)
+                   + prefill + prefill + decode.format(16 / 3.1e-3))
+    steps = _script("sglang_steps")
+    windows = steps.decode_windows(steps.read_lines(log))
+    assert [window.prefills_within for window in windows] == [0, 0, 1, 2]
+    engine = steps.engine_steps("stack", steps.read_lines(log), min_running=12)
+    assert engine.decode_only_windows == 2
+    assert engine.decode_only_step_ms == pytest.approx(2.1)
+    assert engine.prefill_cost_ms == pytest.approx(18.0)  # the median of 16 (one prefill) and 20 (each of two)
+
+
 def test_sglang_step_rates_of_one_stream_leave_out_windows_with_more_running(tmp_path: Path) -> None:
     log = tmp_path / "batches.log"
     log.write_text(
