@@ -10,6 +10,15 @@ off and on alternating, and prints each one's microseconds per request and the r
 
     python scripts/bench_sglang_kv_record.py --requests 3000 --rounds 4
 
+`--with-publisher` asks what the events cost a scheduler whose thread is busy, publisher thread included: each
+request runs a forward-shaped load on the main thread (many small torch ops holding the interpreter lock, ~15 ms
+here, as a small model's eager prefill is on the H100) and decode-shaped steps, against three radix caches fed the
+same requests in a shuffled order, one without events, one recording them and one also handing them to SGLang's own
+`ZmqEventPublisher` thread (which encodes and sends them while the main thread works). It prints each one's time a
+request, paired request by request with the cache without events.
+
+    python scripts/bench_sglang_kv_record.py --with-publisher --requests 1500
+
 It needs SGLang importable (on the GPU machine: `bash scripts/gpu_run.sh python3 scripts/bench_sglang_kv_record.py`).
 """
 
@@ -18,12 +27,13 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import tempfile
 import time
 from array import array
 
 import msgspec
 import torch
-from sglang.srt.disaggregation.kv_events import KVEventBatch
+from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
@@ -67,12 +77,84 @@ def one_round(events: bool, num_requests: int, pool_tokens: int, seed: int) -> t
     return 1e6 * cache_s / num_requests, 1e6 * encode_s / num_requests, num_events / num_requests
 
 
+# The --with-publisher load: torch ops on a tiny tensor stand for a forward's launches, which hold the interpreter lock.
+FORWARD_OPS, DECODE_STEP_OPS, DECODE_STEPS = 3000, 300, 8
+# Requests before the caches' pools are full and evict: not counted.
+FILL_REQUESTS = 200
+MODES = ("off", "record", "publish")
+
+
+def busy(num_ops: int) -> None:
+    tensor = torch.zeros(16)
+    for _ in range(num_ops):
+        tensor = tensor + 1
+
+
+class BusyScheduler:
+    """Three radix caches given the same requests: without events, recording them, and publishing them."""
+
+    def __init__(self, pool_tokens: int) -> None:
+        self.pool_tokens = pool_tokens
+        self.caches = {mode: RadixCache.create_simulated(mock_allocator=FreeingNothing(), page_size=PAGE_TOKENS,
+                                                         enable_kv_cache_events=mode != "off") for mode in MODES}
+        self.publisher = ZmqEventPublisher(attn_dp_rank=0, endpoint=f"ipc://{tempfile.mkdtemp()}/kv-events",
+                                           topic="kv-events")
+
+    def request(self, mode: str, prompt: list[int], whole: list[int]) -> float:
+        """Seconds one request took: its prefix match, forward, prompt insert, decode steps, whole insert, evictions."""
+        cache = self.caches[mode]
+        start = time.perf_counter()
+        cache.match_prefix(MatchPrefixParams(key=RadixKey(token_ids=array("q", prompt))))
+        busy(FORWARD_OPS)
+        cache.insert(InsertParams(key=RadixKey(token_ids=array("q", prompt)), value=torch.arange(len(prompt))))
+        self.hand_over(mode, cache)
+        for _ in range(DECODE_STEPS):
+            busy(DECODE_STEP_OPS)
+        cache.insert(InsertParams(key=RadixKey(token_ids=array("q", whole)), value=torch.arange(len(whole))))
+        if (over := cache.evictable_size() - self.pool_tokens) > 0:
+            cache.evict(EvictParams(num_tokens=over))
+        self.hand_over(mode, cache)
+        return time.perf_counter() - start
+
+    def hand_over(self, mode: str, cache: RadixCache) -> None:
+        events = cache.take_events() if mode != "off" else []
+        if events and mode == "publish":
+            self.publisher.publish(KVEventBatch(ts=time.time(), events=events))
+
+
+def with_publisher(num_requests: int, pool_tokens: int) -> None:
+    scheduler = BusyScheduler(pool_tokens)
+    rng = random.Random(1)
+    prefix = [rng.randrange(50_000) for _ in range(CHAT_PREFIX_TOKENS)]
+    seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for index in range(FILL_REQUESTS + num_requests):
+        prompt = prefix + [rng.randrange(50_000) for _ in range(rng.randint(128, 1024))]
+        whole = prompt + [rng.randrange(50_000) for _ in range(rng.randint(128, 512))]
+        order = list(MODES)
+        rng.shuffle(order)  # no mode always first after another's publish
+        for mode in order:
+            seconds[mode].append(scheduler.request(mode, prompt, whole))
+        if (index + 1) % 500 == 0:
+            print(f"{index + 1} requests", flush=True)
+    scheduler.publisher.shutdown()
+    counted = {mode: times[FILL_REQUESTS:] for mode, times in seconds.items()}
+    for mode in MODES:
+        paired_ms = [1e3 * (mine - off) for mine, off in zip(counted[mode], counted["off"])]
+        print(f"{mode:8s} {1e3 * statistics.median(counted[mode]):8.3f} ms a request; paired with off: median "
+              f"{statistics.median(paired_ms):+.3f} ms, mean {statistics.fmean(paired_ms):+.3f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=3000, help="requests per round")
     parser.add_argument("--rounds", type=int, default=4, help="rounds of each setting, alternating")
     parser.add_argument("--pool-tokens", type=int, default=300_000, help="the KV pool (the goal runs': 300k)")
+    parser.add_argument("--with-publisher", action="store_true",
+                        help="each request on a busy main thread, SGLang's publisher thread included (see above)")
     args = parser.parse_args()
+    if args.with_publisher:
+        with_publisher(args.requests, args.pool_tokens)
+        return
     one_round(True, 50, args.pool_tokens, seed=0)  # SGLang compiles its page hash on first use: not a request's cost
     cache_us: dict[bool, list[float]] = {False: [], True: []}
     encode_us: list[float] = []
