@@ -25,6 +25,7 @@ It needs SGLang importable (on the GPU machine: `bash scripts/gpu_run.sh python3
 from __future__ import annotations
 
 import argparse
+import enum
 import random
 import statistics
 import tempfile
@@ -49,6 +50,13 @@ class FreeingNothing:
         pass
 
 
+def goal_request(rng: random.Random, prefix: list[int]) -> tuple[list[int], list[int]]:
+    """One request of issue 11's load: its prompt (the shared chat prefix, then 128-1024 tokens) and the whole
+    sequence the cache holds when it ends (128-512 output tokens more)."""
+    prompt = prefix + [rng.randrange(50_000) for _ in range(rng.randint(128, 1024))]
+    return prompt, prompt + [rng.randrange(50_000) for _ in range(rng.randint(128, 512))]
+
+
 def one_round(events: bool, num_requests: int, pool_tokens: int, seed: int) -> tuple[float, float, float]:
     """(cache microseconds per request, publisher's encode microseconds per request, events per request)."""
     rng = random.Random(seed)
@@ -59,8 +67,7 @@ def one_round(events: bool, num_requests: int, pool_tokens: int, seed: int) -> t
     cache_s = encode_s = 0.0
     num_events = 0
     for _ in range(num_requests):
-        prompt = prefix + [rng.randrange(50_000) for _ in range(rng.randint(128, 1024))]
-        whole = prompt + [rng.randrange(50_000) for _ in range(rng.randint(128, 512))]
+        prompt, whole = goal_request(rng, prefix)
         start = time.perf_counter()
         cache.match_prefix(MatchPrefixParams(key=RadixKey(token_ids=array("q", prompt))))
         cache.insert(InsertParams(key=RadixKey(token_ids=array("q", prompt)), value=torch.arange(len(prompt))))
@@ -81,7 +88,13 @@ def one_round(events: bool, num_requests: int, pool_tokens: int, seed: int) -> t
 FORWARD_OPS, DECODE_STEP_OPS, DECODE_STEPS = 3000, 300, 8
 # Requests before the caches' pools are full and evict: not counted.
 FILL_REQUESTS = 200
-MODES = ("off", "record", "publish")
+
+
+class Events(enum.Enum):
+    """What a --with-publisher cache does with its KV events."""
+    OFF = "off"  # none recorded
+    RECORD = "record"  # recorded and taken each step, then dropped
+    PUBLISH = "publish"  # recorded and handed to SGLang's publisher thread
 
 
 def busy(num_ops: int) -> None:
@@ -96,11 +109,12 @@ class BusyScheduler:
     def __init__(self, pool_tokens: int) -> None:
         self.pool_tokens = pool_tokens
         self.caches = {mode: RadixCache.create_simulated(mock_allocator=FreeingNothing(), page_size=PAGE_TOKENS,
-                                                         enable_kv_cache_events=mode != "off") for mode in MODES}
+                                                         enable_kv_cache_events=mode is not Events.OFF)
+                       for mode in Events}
         self.publisher = ZmqEventPublisher(attn_dp_rank=0, endpoint=f"ipc://{tempfile.mkdtemp()}/kv-events",
                                            topic="kv-events")
 
-    def request(self, mode: str, prompt: list[int], whole: list[int]) -> float:
+    def request(self, mode: Events, prompt: list[int], whole: list[int]) -> float:
         """Seconds one request took: its prefix match, forward, prompt insert, decode steps, whole insert, evictions."""
         cache = self.caches[mode]
         start = time.perf_counter()
@@ -116,9 +130,9 @@ class BusyScheduler:
         self.hand_over(mode, cache)
         return time.perf_counter() - start
 
-    def hand_over(self, mode: str, cache: RadixCache) -> None:
-        events = cache.take_events() if mode != "off" else []
-        if events and mode == "publish":
+    def hand_over(self, mode: Events, cache: RadixCache) -> None:
+        events = cache.take_events() if mode is not Events.OFF else []
+        if events and mode is Events.PUBLISH:
             self.publisher.publish(KVEventBatch(ts=time.time(), events=events))
 
 
@@ -126,11 +140,10 @@ def with_publisher(num_requests: int, pool_tokens: int) -> None:
     scheduler = BusyScheduler(pool_tokens)
     rng = random.Random(1)
     prefix = [rng.randrange(50_000) for _ in range(CHAT_PREFIX_TOKENS)]
-    seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
+    seconds: dict[Events, list[float]] = {mode: [] for mode in Events}
     for index in range(FILL_REQUESTS + num_requests):
-        prompt = prefix + [rng.randrange(50_000) for _ in range(rng.randint(128, 1024))]
-        whole = prompt + [rng.randrange(50_000) for _ in range(rng.randint(128, 512))]
-        order = list(MODES)
+        prompt, whole = goal_request(rng, prefix)
+        order = list(Events)
         rng.shuffle(order)  # no mode always first after another's publish
         for mode in order:
             seconds[mode].append(scheduler.request(mode, prompt, whole))
@@ -138,9 +151,9 @@ def with_publisher(num_requests: int, pool_tokens: int) -> None:
             print(f"{index + 1} requests", flush=True)
     scheduler.publisher.shutdown()
     counted = {mode: times[FILL_REQUESTS:] for mode, times in seconds.items()}
-    for mode in MODES:
-        paired_ms = [1e3 * (mine - off) for mine, off in zip(counted[mode], counted["off"])]
-        print(f"{mode:8s} {1e3 * statistics.median(counted[mode]):8.3f} ms a request; paired with off: median "
+    for mode in Events:
+        paired_ms = [1e3 * (mine - off) for mine, off in zip(counted[mode], counted[Events.OFF])]
+        print(f"{mode.value:8s} {1e3 * statistics.median(counted[mode]):8.3f} ms a request; paired with off: median "
               f"{statistics.median(paired_ms):+.3f} ms, mean {statistics.fmean(paired_ms):+.3f} ms")
 
 

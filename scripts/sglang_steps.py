@@ -130,7 +130,7 @@ def engine_steps(name: str, lines: list[str], min_running: int, max_running: int
     decode_only = [window.step_ms for window in loaded if window.prefills_within == 0]
     decode_step_ms = statistics.median(decode_only) if decode_only else math.nan
     prefill_costs = [DECODE_LOG_STEPS * (window.step_ms - decode_step_ms) / window.prefills_within
-                     for window in loaded if window.prefills_within > 0]
+                     for window in loaded if window.prefills_within > 0] if decode_only else []
     return EngineSteps(
         name=name,
         windows=len(loaded),
@@ -144,7 +144,7 @@ def engine_steps(name: str, lines: list[str], min_running: int, max_running: int
         mean_token_usage=statistics.fmean(usage) if usage else 0.0,
         decode_only_windows=len(decode_only),
         decode_only_step_ms=decode_step_ms,
-        prefill_cost_ms=statistics.median(prefill_costs) if prefill_costs and decode_only else math.nan,
+        prefill_cost_ms=statistics.median(prefill_costs) if prefill_costs else math.nan,
     )
 
 
@@ -276,22 +276,23 @@ def print_table(logs: dict[str, list[str]], min_running: int, max_running: int |
           f"{'prefills':>9} {'seqs/prefill':>12} {'new tok/prefill':>15} {'cached tok/prefill':>18} {'pool used':>9} "
           f"{'decode-only':>11} {'decode step ms':>15} {'ms a prefill':>14}")
     for engine in engines:
-        ratio = "" if engine is base else f" {engine.tokens_per_s / base.tokens_per_s:.2f}x"
-        step_ratio = "" if engine is base else f" {engine.steps_per_s_per_request / base.steps_per_s_per_request:.2f}x"
+        first = engine is base
+        tokens = ratio_of(first, engine.tokens_per_s, base.tokens_per_s)
+        steps = ratio_of(first, engine.steps_per_s_per_request, base.steps_per_s_per_request)
+        decode_step = ratio_of(first, engine.decode_only_step_ms, base.decode_only_step_ms)
+        prefill = ratio_of(first, engine.prefill_cost_ms, base.prefill_cost_ms)
         print(f"{engine.name:<12} {engine.windows:>7} {engine.mean_running:>8.1f} "
-              f"{engine.tokens_per_s:>8.0f}{ratio:<6} {engine.steps_per_s_per_request:>15.1f}{step_ratio:<7} "
+              f"{engine.tokens_per_s:>8.0f}{tokens:<6} {engine.steps_per_s_per_request:>15.1f}{steps:<7} "
               f"{engine.prefill_batches:>9} {engine.sequences_per_prefill:>12.2f} "
               f"{engine.new_tokens_per_prefill:>15.0f} {engine.cached_tokens_per_prefill:>18.0f} "
               f"{engine.mean_token_usage:>9.2f} {engine.decode_only_windows:>11} "
-              f"{engine.decode_only_step_ms:>8.3f}{ratio_of(engine, base, 'decode_only_step_ms'):<7} "
-              f"{engine.prefill_cost_ms:>7.1f}{ratio_of(engine, base, 'prefill_cost_ms'):<7}")
+              f"{engine.decode_only_step_ms:>8.3f}{decode_step:<7} {engine.prefill_cost_ms:>7.1f}{prefill:<7}")
     return [engine.name for engine in engines]
 
 
-def ratio_of(engine: EngineSteps, base: EngineSteps, field: str) -> str:
-    """The engine's figure over the first engine's ("" for the first, or where either has none)."""
-    mine, theirs = getattr(engine, field), getattr(base, field)
-    if engine is base or not (math.isfinite(mine) and math.isfinite(theirs)) or theirs <= 0:
+def ratio_of(is_base: bool, mine: float, theirs: float) -> str:
+    """An engine's figure over the first engine's ("" for the first engine, or where either has none)."""
+    if is_base or not (math.isfinite(mine) and math.isfinite(theirs)) or theirs <= 0:
         return ""
     return f" {mine / theirs:.2f}x"
 
