@@ -159,6 +159,16 @@ def test_sglang_pages_default_to_sixteen_tokens() -> None:
     assert server_args(SGLangEngineConfig(model_path="/m"), "ipc:///k", 2)["page_size"] == 16
 
 
+def test_sglang_streams_every_eighth_step_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Outputs every 8 decode steps (the first token at once): SGLang's scheduler and detokenizer handle an eighth of
+    # the outputs they would at its own default of 1 (docs/performance.md, forty-seventh stop).
+    assert server_args(SGLangEngineConfig(model_path="/m"), "ipc:///k", 2)["stream_interval"] == 8
+    monkeypatch.setenv("CONVEYOR_SGLANG_STREAM_INTERVAL", "1")
+    assert server_args(SGLangEngineConfig(model_path="/m"), "ipc:///k", 2)["stream_interval"] == 1
+    with pytest.raises(ValidationError, match="stream_interval"):
+        SGLangEngineConfig(model_path="/m", stream_interval=0)
+
+
 def test_sglang_own_metrics_are_off_unless_asked_for() -> None:
     # They cost the inter-token gap at one stream and nothing reads them (the worker's /metrics has its own series).
     assert server_args(SGLangEngineConfig(model_path="/m"), "ipc:///k", 2)["enable_metrics"] is False
