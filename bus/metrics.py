@@ -39,7 +39,8 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 REQUESTS = Counter("conveyor_requests_total", "Requests finished, by outcome", ["stage", "model", "outcome"])
 TIME_TO_FIRST_TOKEN = Histogram("conveyor_time_to_first_token_seconds", "Request entering the pipeline to first token",
                                 ["model"], buckets=_LATENCY_BUCKETS)
-INTER_TOKEN_LATENCY = Histogram("conveyor_inter_token_latency_seconds", "Time between streamed tokens", ["model"],
+INTER_TOKEN_LATENCY = Histogram("conveyor_inter_token_latency_seconds",
+                                "Time between streamed tokens (a frame of n tokens: its gap over n)", ["model"],
                                 buckets=(0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
                                          0.25, 0.5, 1))
 END_TO_END = Histogram("conveyor_request_seconds", "Request entering the pipeline to its final frame", ["model"],

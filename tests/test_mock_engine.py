@@ -34,6 +34,35 @@ async def test_time_to_first_token_and_inter_token_latency_follow_the_config() -
     assert len(stamps) == 6 and all(0.015 <= gap < 0.08 for gap in gaps)
 
 
+async def test_a_stream_interval_sends_the_first_token_alone_and_the_rest_that_many_a_frame() -> None:
+    request = GenerateRequest("s", [5, 6, 7], stop=StopConditions(max_tokens=10))
+    one_a_frame = await run(MockEngine(MockEngineConfig(inter_token_s=0.0)), request)
+    four_a_frame = await run(MockEngine(MockEngineConfig(inter_token_s=0.0, stream_interval=4)), request)
+    assert [len(output.token_ids) for output in four_a_frame] == [1, 4, 4, 1]
+    assert [t for o in four_a_frame for t in o.token_ids] == [t for o in one_a_frame for t in o.token_ids]
+    assert "".join(o.text for o in four_a_frame) == "".join(o.text for o in one_a_frame)
+    assert four_a_frame[-1].completion_tokens == 10
+
+
+async def test_a_cancel_between_frames_sends_the_tokens_already_made_with_the_end() -> None:
+    engine = MockEngine(MockEngineConfig(ttft_base_s=0.0, ttft_per_prompt_token_s=0.0, inter_token_s=0.02,
+                                         stream_interval=8))
+
+    async def abort_mid_frame() -> None:  # 3-4 tokens into the second frame of 8
+        await asyncio.sleep(0.07)
+        await engine.abort("c")
+
+    outputs: list[GenerateOutput] = []
+    async for output in engine.generate(GenerateRequest("c", [5, 6, 7], stop=StopConditions(max_tokens=100))):
+        outputs.append(output)
+        if len(outputs) == 1:
+            aborting = asyncio.create_task(abort_mid_frame())
+    await aborting
+    final = outputs[-1]
+    assert final.finish_reason == FinishReason.CANCELLED
+    assert sum(len(o.token_ids) for o in outputs) == final.completion_tokens > 1
+
+
 async def test_requests_beyond_the_batch_limit_wait_for_a_slot() -> None:
     engine = MockEngine(MockEngineConfig(max_running_requests=2, ttft_base_s=0.0, ttft_per_prompt_token_s=0.0,
                                          inter_token_s=0.05))

@@ -25,7 +25,7 @@ from schemas.registry import ServingMode, Stage, WorkerCard
 from schemas.replies import ErrorCode, FinalFrame, FinishReason
 from schemas.kv_hashing import chain_hashes
 from tests.conftest import Bus, bus_settings
-from tests.helpers import open_stream, stream_len, wait_until
+from tests.helpers import metric, open_stream, stream_len, wait_until
 from tests.pipeline_helpers import (
     MOCK,
     ask_to_the_end,
@@ -50,6 +50,20 @@ async def test_chat_request_streams_text_and_ends_with_usage(bus: Bus) -> None:
     assert isinstance(final, FinalFrame) and final.finish_reason == FinishReason.LENGTH
     assert sum(len(c.token_ids) for c in chunks) == 5 and all(c.text for c in chunks)
     assert final.usage.completion_tokens == 5 and final.usage.total_tokens == final.usage.prompt_tokens + 5
+
+
+async def test_frames_of_several_tokens_count_each_tokens_own_gap_as_inter_token_latency(bus: Bus) -> None:
+    # An engine sending 4 tokens a frame (SGLang's stream interval), a token every 20 ms: each frame comes ~80 ms after
+    # the last, and the worker's inter-token latency must still read ~20 ms a token.
+    itl_sum, itl_count = "conveyor_inter_token_latency_seconds_sum", "conveyor_inter_token_latency_seconds_count"
+    sum_before, count_before = metric(itl_sum, model=MOCK), metric(itl_count, model=MOCK)
+    decode = mock_decode(inter_token_s=0.02, stream_interval=4)
+    async with running_workers(bus, [(Stage.PROCESSOR, mock_processor()), (Stage.DECODE, decode)]):
+        final = await ask_to_the_end(client_of(bus), max_tokens=13)
+    assert final.usage.completion_tokens == 13
+    observed = metric(itl_count, model=MOCK) - count_before
+    assert observed == 3  # the frames after the first: tokens 2-5, 6-9 and 10-13
+    assert 0.015 <= (metric(itl_sum, model=MOCK) - sum_before) / observed < 0.05
 
 
 async def test_openai_stream_format_sends_chat_completion_chunks(bus: Bus) -> None:

@@ -218,8 +218,9 @@ class DecodeStage:
                     now = time.time()
                     if last_token_s is None:
                         self._time_to_first_token.observe(max(0.0, now - task.header.created_at_s))
-                    else:
-                        self._inter_token_latency.observe(now - last_token_s)
+                    elif output.token_ids:
+                        # A frame of several tokens (SGLang's stream interval) came one gap for all of them.
+                        self._inter_token_latency.observe((now - last_token_s) / len(output.token_ids))
                     last_token_s = now
                 if output.finished:
                     if task.predicted_cached_tokens is not None and not num_streamed:

@@ -2,7 +2,8 @@
 
 Like Dynamo's mocker it does no math: time to first token is `ttft_base_s + ttft_per_prompt_token_s ×
 uncached prompt tokens`, then one token every `inter_token_s`, with at most `max_running_requests`
-generating at once (the rest queue). It keeps a real block pool with a prefix cache keyed like the
+generating at once (the rest queue). With `stream_interval` N it sends the first token alone and the rest N a frame,
+as SGLang does (the pipeline's CPU benchmarks can then carry the GPU stack's frames). It keeps a real block pool with a prefix cache keyed like the
 torch engine's, so it emits the same `BlockStored` / `BlockRemoved` events and reports cached
 tokens. Output tokens are a deterministic function of the sequence so far, so runs are reproducible.
 Never the default engine.
@@ -47,6 +48,8 @@ class MockEngineConfig(BaseSettings):
     ttft_base_s: float = Field(default=0.005, ge=0)
     ttft_per_prompt_token_s: float = Field(default=0.00002, ge=0)
     inter_token_s: float = Field(default=0.01, ge=0)
+    # Tokens a frame after the first (1: a frame per token). The SGLang engine's default is 8.
+    stream_interval: int = Field(default=1, ge=1)
     max_running_requests: int = Field(default=64, ge=1)
     # One clock for every running request, as a real engine steps its whole batch at once: all streams' tokens come
     # in the same instant (and their frames go out together). Off: each request ticks on its own timer.
@@ -55,6 +58,11 @@ class MockEngineConfig(BaseSettings):
     kv_total_blocks: int = Field(default=4096, ge=1)
     context_length: int = Field(default=8192, ge=2)
     vocab_size: int = Field(default=32000, ge=16)
+
+
+def _text_of(tokens: list[int]) -> str:
+    """The mock's text for its tokens: each one's id, so a reader can tell them apart."""
+    return "".join(f" t{token}" for token in tokens)
 
 
 class MockEngine:
@@ -126,15 +134,20 @@ class MockEngine:
                                        token_ids=request.token_ids[cached_tokens : len(keys) * self.config.block_size],
                                        block_size=self.config.block_size)] if len(keys) > cached_blocks else [])
             token = request.token_ids[-1]
+            unsent: list[int] = []  # made, waiting for their frame
             while True:
                 token = self._next_token(token, prompt_tokens + produced)
                 produced += 1
+                unsent.append(token)
                 if produced >= max_tokens:
-                    yield self._final(request, FinishReason.LENGTH, [token], produced, cached_tokens)
+                    yield self._final(request, FinishReason.LENGTH, unsent, produced, cached_tokens)
                     return
-                yield GenerateOutput(token_ids=[token], text=f" t{token}")
+                if produced == 1 or len(unsent) >= self.config.stream_interval:
+                    yield GenerateOutput(token_ids=unsent, text=_text_of(unsent))
+                    unsent = []
                 if await self._cancelled_before_next_token(cancelled):
-                    yield self._final(request, FinishReason.CANCELLED, [], produced, cached_tokens)
+                    # What was made goes out with the end, so the count of tokens matches what the reader got.
+                    yield self._final(request, FinishReason.CANCELLED, unsent, produced, cached_tokens)
                     return
         finally:
             self._release(keys)
@@ -153,7 +166,7 @@ class MockEngine:
 
     def _final(self, request: GenerateRequest, reason: FinishReason, tokens: list[int], produced: int,
                cached_tokens: int) -> GenerateOutput:
-        return GenerateOutput(token_ids=tokens, text="".join(f" t{t}" for t in tokens), finish_reason=reason,
+        return GenerateOutput(token_ids=tokens, text=_text_of(tokens), finish_reason=reason,
                               prompt_tokens=len(request.token_ids), completion_tokens=produced,
                               cached_tokens=cached_tokens)
 
