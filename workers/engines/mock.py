@@ -2,11 +2,11 @@
 
 Like Dynamo's mocker it does no math: time to first token is `ttft_base_s + ttft_per_prompt_token_s ×
 uncached prompt tokens`, then one token every `inter_token_s`, with at most `max_running_requests`
-generating at once (the rest queue). With `stream_interval` N it sends the first token alone and the rest N a frame,
-as SGLang does (the pipeline's CPU benchmarks can then carry the GPU stack's frames). It keeps a real block pool with a prefix cache keyed like the
-torch engine's, so it emits the same `BlockStored` / `BlockRemoved` events and reports cached
-tokens. Output tokens are a deterministic function of the sequence so far, so runs are reproducible.
-Never the default engine.
+generating at once (the rest queue). With `stream_interval` N it sends the first token alone and
+the rest N a frame, as SGLang does (CPU benchmarks of the pipeline can carry the GPU stack's
+frames). It keeps a real block pool with a prefix cache keyed like the torch engine's, so it emits
+the same `BlockStored` / `BlockRemoved` events and reports cached tokens. Output tokens are a
+deterministic function of the sequence so far, so runs are reproducible. Never the default engine.
 """
 
 from __future__ import annotations
