@@ -112,7 +112,8 @@ class SGLangEngineConfig(BaseSettings):
     # Only an aggregated engine paces (a decode engine's prompts arrive as KV; a prefill engine has no streams to keep
     # decoding).
     # Off by default: on the H100 a budget bounded the 64-stream inter-token tail but cost the first token
-    # (docs/performance.md, eleventh stop). 2048 is the measured compromise for a deployment that wants the tail.
+    # (docs/performance.md, eleventh stop). 2048 is the measured compromise for a deployment that wants the tail; it
+    # was measured at a stream interval of 1 (at 8 a share is released 8 decode steps after its prefill, not 1).
     prefill_budget_tokens: int = Field(default=0, ge=0)
     # SGLang's own Prometheus series (per-token histograms observed on the worker's event loop). Off: the worker's
     # /metrics has its own TTFT, ITL and load series, and on the H100 turning these off (with KV events) took the
