@@ -1,7 +1,7 @@
 """`SGLangEngine`: the production engine, an adapter over a real `sglang.Engine` (SGLang 0.5.17).
 
-The only module that imports sglang, and only inside `start()`, so the package stays optional. What
-it maps, read from the 0.5.17 wheel:
+The only module that imports sglang (with `sglang_events.py`, whose publisher runs inside SGLang's scheduler
+processes), and only inside `start()`, so the package stays optional. What it maps, read from the 0.5.17 wheel:
 
 - generation: `Engine.async_generate(input_ids=..., sampling_params=..., stream=True, rid=...)` with
   `incremental_streaming_output=True`, so each item's `output_ids` / `text` are disjoint deltas; the
@@ -69,6 +69,7 @@ from workers.engines.protocol import (
     UnsupportedOption,
     choice_regex,
 )
+from workers.engines.sglang_events import PUBLISHER_NAME, inline_publisher_engine
 
 log = structlog.get_logger(__name__)
 
@@ -132,6 +133,11 @@ class SGLangEngineConfig(BaseSettings):
     # interface, for subscribers of one's own beside the relay (`kv_events_endpoint`).
     kv_events: bool = True
     kv_events_port: int = 0
+    # What sends the events from SGLang's scheduler process: "sglang", SGLang's own publisher (a Python thread beside
+    # the scheduling loop, taking the GIL for each batch); "inline", ours on the loop itself
+    # (workers/engines/sglang_events.py). With events on, SGLang kept 0.88x of its pace at 256 streams
+    # (docs/performance.md, forty-ninth stop); "inline" is there to measure whether the thread is why.
+    kv_events_publisher: Literal["sglang", "inline"] = "sglang"
     enable_memory_saver: bool = False
     # Each SGLang scheduler held on CPUs of its own (workers/engines/cpu_pinning.py): "auto" claims two CPUs in whole
     # cores per scheduler, near its GPU and highest-numbered first, that no other worker sharing the lock directory
@@ -254,8 +260,9 @@ def server_args(config: SGLangEngineConfig, kv_events_publish: str | None, boots
     if config.skip_tokenizer_init:
         args["skip_tokenizer_init"] = True
     if config.kv_events and kv_events_publish is not None:
+        publisher = PUBLISHER_NAME if config.kv_events_publisher == "inline" else "zmq"
         args["kv_events_config"] = json.dumps(
-            {"publisher": "zmq", "endpoint": kv_events_publish, "topic": "kv-events"})
+            {"publisher": publisher, "endpoint": kv_events_publish, "topic": "kv-events"})
     optional = {
         "page_size": config.page_size,
         "mem_fraction_static": config.mem_fraction_static,
@@ -700,7 +707,8 @@ class SGLangEngine:
         bootstrap_port = self.config.bootstrap_port or _free_port()
         args = server_args(self.config, kv_events.publish if kv_events else None, bootstrap_port)
         log.info("sglang.starting", model=self.config.model_path, role=self.config.role.value)
-        self._engine = sglang.Engine(**args)
+        inline = kv_events is not None and self.config.kv_events_publisher == "inline"
+        self._engine = (inline_publisher_engine() if inline else sglang.Engine)(**args)
         if self.config.skip_tokenizer_init:
             tokenizer_path = self.config.extra_server_args.get("tokenizer_path") or self.config.model_path
             self._decoder = await asyncio.to_thread(own_decoder, str(tokenizer_path))
