@@ -12,10 +12,11 @@ off and on alternating, and prints each one's microseconds per request and the r
 
 `--with-publisher` asks what the events cost a scheduler whose thread is busy, publisher thread included: each
 request runs a forward-shaped load on the main thread (many small torch ops holding the interpreter lock, ~15 ms
-here, as a small model's eager prefill is on the H100) and decode-shaped steps, against three radix caches fed the
-same requests in a shuffled order, one without events, one recording them and one also handing them to SGLang's own
-`ZmqEventPublisher` thread (which encodes and sends them while the main thread works). It prints each one's time a
-request, paired request by request with the cache without events.
+here, as a small model's eager prefill is on the H100) and decode-shaped steps, against four radix caches fed the
+same requests in a shuffled order: one without events, one recording them, one also handing them to SGLang's own
+`ZmqEventPublisher` thread (which encodes and sends them while the main thread works), and one sending them from the
+main thread with Conveyor's `InlineKvEventPublisher` (`CONVEYOR_SGLANG_KV_EVENTS_PUBLISHER=inline`). It prints each
+one's time a request, paired request by request with the cache without events.
 
     python scripts/bench_sglang_kv_record.py --with-publisher --requests 1500
 
@@ -37,6 +38,8 @@ import torch
 from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+from workers.engines.sglang_events import InlineKvEventPublisher
 
 PAGE_TOKENS = 16
 CHAT_PREFIX_TOKENS = 17  # what every prompt of the goal runs shares (SGLang's logs: ~17 cached tokens a prefill)
@@ -95,6 +98,7 @@ class Events(enum.Enum):
     OFF = "off"  # none recorded
     RECORD = "record"  # recorded and taken each step, then dropped
     PUBLISH = "publish"  # recorded and handed to SGLang's publisher thread
+    INLINE = "inline"  # recorded and sent from the main thread (Conveyor's inline publisher)
 
 
 def busy(num_ops: int) -> None:
@@ -104,7 +108,8 @@ def busy(num_ops: int) -> None:
 
 
 class BusyScheduler:
-    """Three radix caches given the same requests: without events, recording them, and publishing them."""
+    """Four radix caches given the same requests: without events, recording them, publishing them through SGLang's
+    thread, and publishing them inline."""
 
     def __init__(self, pool_tokens: int) -> None:
         self.pool_tokens = pool_tokens
@@ -113,6 +118,7 @@ class BusyScheduler:
                        for mode in Events}
         self.publisher = ZmqEventPublisher(attn_dp_rank=0, endpoint=f"ipc://{tempfile.mkdtemp()}/kv-events",
                                            topic="kv-events")
+        self.inline = InlineKvEventPublisher(endpoint=f"ipc://{tempfile.mkdtemp()}/kv-events", topic="kv-events")
 
     def request(self, mode: Events, prompt: list[int], whole: list[int]) -> float:
         """Seconds one request took: its prefix match, forward, prompt insert, decode steps, whole insert, evictions."""
@@ -134,6 +140,8 @@ class BusyScheduler:
         events = cache.take_events() if mode is not Events.OFF else []
         if events and mode is Events.PUBLISH:
             self.publisher.publish(KVEventBatch(ts=time.time(), events=events))
+        elif events and mode is Events.INLINE:
+            self.inline.publish(KVEventBatch(ts=time.time(), events=events))
 
 
 def with_publisher(num_requests: int, pool_tokens: int) -> None:
@@ -150,6 +158,7 @@ def with_publisher(num_requests: int, pool_tokens: int) -> None:
         if (index + 1) % 500 == 0:
             print(f"{index + 1} requests", flush=True)
     scheduler.publisher.shutdown()
+    scheduler.inline.shutdown()
     counted = {mode: times[FILL_REQUESTS:] for mode, times in seconds.items()}
     for mode in Events:
         paired_ms = [1e3 * (mine - off) for mine, off in zip(counted[mode], counted[Events.OFF])]
