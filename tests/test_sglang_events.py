@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import msgpack
 import pytest
 
+from bus.server import free_port
 from schemas.kv_hashing import chain_hashes
 from workers.engines.sglang_engine import KvEventRelay, SGLangEngineConfig, server_args
 from workers.engines.sglang_events import PUBLISHER_NAME, InlineKvEventPublisher, binds, offset_endpoint
@@ -33,12 +33,6 @@ def encode_as_sglang(batch: Batch) -> bytes:
 
 def stored(tokens: list[int], engine_hash: int) -> list[Any]:
     return ["BlockStored", [engine_hash], None, tokens, len(tokens), None, None]
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 async def _collect_after_subscribed(publisher: InlineKvEventPublisher, relay: KvEventRelay,
@@ -85,7 +79,7 @@ async def test_the_inline_publisher_reaches_the_relay_in_order_with_no_gap(tmp_p
 
 
 async def test_a_data_parallel_rank_publishes_on_its_own_port_and_marks_its_batches() -> None:
-    port = _free_port()
+    port = free_port()
     publisher = InlineKvEventPublisher(attn_dp_rank=1, endpoint=f"tcp://*:{port - 1}", encode=encode_as_sglang)
     assert publisher.endpoint == f"tcp://*:{port}"
     relay = KvEventRelay(f"tcp://127.0.0.1:{port}")
