@@ -91,7 +91,7 @@ def test_engine_arguments_turn_on_deltas_kv_events_and_disaggregation() -> None:
     args = server_args(SGLangEngineConfig(model_path="/m", role=DisaggregationRole.PREFILL, page_size=16),
                        "ipc:///run/x/kv-events", 8998)
     assert args["incremental_streaming_output"] is True
-    assert json.loads(args["kv_events_config"]) == {"publisher": "zmq", "endpoint": "ipc:///run/x/kv-events",
+    assert json.loads(args["kv_events_config"]) == {"publisher": "conveyor-inline", "endpoint": "ipc:///run/x/kv-events",
                                                     "topic": "kv-events"}
     assert args["disaggregation_mode"] == "prefill" and args["disaggregation_bootstrap_port"] == 8998
     assert args["disaggregation_transfer_backend"] == "nixl" and args["attention_backend"] == "triton"

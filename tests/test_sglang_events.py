@@ -124,5 +124,5 @@ def test_the_engine_arguments_name_the_publisher_asked_for(setting: str, publish
     assert events == {"publisher": publisher, "endpoint": "ipc:///run/kv", "topic": "kv-events"}
 
 
-def test_sglangs_own_publisher_is_the_default() -> None:
-    assert SGLangEngineConfig(model_path="m").kv_events_publisher == "sglang"
+def test_the_inline_publisher_is_the_default() -> None:
+    assert SGLangEngineConfig(model_path="m").kv_events_publisher == "inline"
