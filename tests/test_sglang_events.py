@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,14 @@ import pytest
 from bus.server import free_port
 from schemas.kv_hashing import chain_hashes
 from workers.engines.sglang_engine import KvEventRelay, SGLangEngineConfig, server_args
-from workers.engines.sglang_events import PUBLISHER_NAME, InlineKvEventPublisher, binds, offset_endpoint
+from workers.engines.sglang_events import (
+    PUBLISHER_NAME,
+    InlineKvEventPublisher,
+    binds,
+    inline_publisher_engine,
+    offset_endpoint,
+    run_scheduler_with_inline_publisher,
+)
 
 
 @dataclass
@@ -126,3 +135,29 @@ def test_the_engine_arguments_name_the_publisher_asked_for(setting: str, publish
 
 def test_the_inline_publisher_is_the_default() -> None:
     assert SGLangEngineConfig(model_path="m").kv_events_publisher == "inline"
+
+
+def _sglang_engine_module(monkeypatch: pytest.MonkeyPatch, engine: type) -> None:
+    """`sglang.srt.entrypoints.engine` holding `engine`: the CPU install has no SGLang, and only its Engine class is
+    read here."""
+    names = ["sglang", "sglang.srt", "sglang.srt.entrypoints", "sglang.srt.entrypoints.engine"]
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules[names[-1]].Engine = engine  # type: ignore[attr-defined]
+
+
+def test_the_engine_starts_its_schedulers_with_the_publisher_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Engine:
+        run_scheduler_process_func = staticmethod(lambda: None)
+
+    _sglang_engine_module(monkeypatch, Engine)
+    engine = inline_publisher_engine()
+    assert issubclass(engine, Engine)
+    assert engine.run_scheduler_process_func is run_scheduler_with_inline_publisher
+
+
+def test_an_sglang_without_the_scheduler_hook_is_refused_with_the_setting_to_change(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _sglang_engine_module(monkeypatch, type("Engine", (), {}))
+    with pytest.raises(RuntimeError, match="CONVEYOR_SGLANG_KV_EVENTS_PUBLISHER=sglang"):
+        inline_publisher_engine()

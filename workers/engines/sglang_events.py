@@ -113,6 +113,11 @@ def inline_publisher_engine() -> type:
     # The class itself: `sglang.Engine` is a lazy-import proxy, which cannot be subclassed.
     from sglang.srt.entrypoints.engine import Engine
 
+    if not hasattr(Engine, "run_scheduler_process_func"):  # the hook exists in the pinned SGLang, not in every one
+        raise RuntimeError(f"this SGLang's Engine has no run_scheduler_process_func, so the {PUBLISHER_NAME} KV-event "
+                           "publisher cannot be registered in its schedulers: set "
+                           "CONVEYOR_SGLANG_KV_EVENTS_PUBLISHER=sglang for SGLang's own publisher")
+
     class InlinePublisherEngine(Engine):  # type: ignore[misc]
         run_scheduler_process_func = staticmethod(run_scheduler_with_inline_publisher)
 
