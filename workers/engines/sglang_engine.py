@@ -133,11 +133,8 @@ class SGLangEngineConfig(BaseSettings):
     # interface, for subscribers of one's own beside the relay (`kv_events_endpoint`).
     kv_events: bool = True
     kv_events_port: int = 0
-    # What sends the events from SGLang's scheduler process: "inline", ours on the scheduling loop itself
-    # (workers/engines/sglang_events.py); "sglang", SGLang's own publisher (a Python thread beside the loop, taking
-    # the GIL for each batch). With SGLang's thread, the stack kept 0.88x of its token rate at 256 streams against
-    # events off; inline, on the same four-GPU machine at the same time, 1.07-1.13x the thread's at 256 streams and
-    # 1.06-1.11x at 16 (docs/performance.md, fiftieth stop).
+    # What sends the events from SGLang's scheduler process: "inline", ours on the scheduling loop itself; "sglang",
+    # SGLang's own publisher thread, slower at 16-256 streams (workers/engines/sglang_events.py says by how much).
     kv_events_publisher: Literal["sglang", "inline"] = "inline"
     enable_memory_saver: bool = False
     # Each SGLang scheduler held on CPUs of its own (workers/engines/cpu_pinning.py): "auto" claims two CPUs in whole
