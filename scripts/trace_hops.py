@@ -34,6 +34,11 @@ The workers and the gateway keep their loops warm for CONVEYOR_STAY_WARM_S (defa
 deployment's do; `CONVEYOR_STAY_WARM_S=0` in the environment measures them cold. `--keep-warm-ms N` (the experiment
 that came before that setting) also wakes this client's loop, and each worker's consumer, every N ms.
 
+With `--gateway-port`, every other pair of requests goes through a gateway (`conveyor gateway`, traced like the
+stages) as an HTTP client's would, and a second table splits those requests' path: the gateway handing the request to
+its handler, its publish, the stages' points as above, the first frame reaching the gateway's socket and its SSE event
+written, then the HTTP client's first event.
+
 All processes stamp `time.time()` of one machine, so their stamps compare. The wrappers cost a few microseconds a
 point; the first token's total (printed last) is a little slower than unwrapped.
 """
@@ -66,22 +71,27 @@ POINTS = ["submit", "publish@processor",
           "engine.start", "engine.first_token", "first_frame_out", "client_first"]
 # Inside SGLang's engine: its tokenizer manager hands the request to the scheduler, and receives the first output.
 SGLANG_POINTS = ["sglang.dispatched", "sglang.first_output"]
+# Through the gateway: aiohttp hands the request to the gateway's handler (before the publish), the first frame is
+# parsed off the gateway's socket and its SSE event written (before the HTTP client has it).
+GATEWAY_IN, GATEWAY_OUT = ["gateway.request"], ["gateway.socket", "gateway.written"]
 ENGINE_CLASSES = {"mock": ("workers.engines.mock", "MockEngine"),
                   "sglang": ("workers.engines.sglang_engine", "SGLangEngine")}
 
 
 # Stamped without a request id (nats-py's socket parse; frames leave in batches): found as the first stamp after the
 # request's point before them, which another stream's stamp may be.
-UNNAMED_POINTS = ("processor.socket", "decode.socket", "first_frame_out")
+UNNAMED_POINTS = ("processor.socket", "decode.socket", "first_frame_out", "gateway.request", "gateway.socket")
 TRACED_PREFIX = "hop"  # the traced requests' ids; the load's start otherwise
 
 
-def points_of(engine: str, loaded: bool = False) -> list[str]:
-    points = [point for point in POINTS if not (loaded and point in UNNAMED_POINTS)]
-    if engine != "sglang":
-        return points
-    at = points.index("engine.first_token")
-    return points[:at] + SGLANG_POINTS + points[at:]
+def points_of(engine: str, loaded: bool = False, via_gateway: bool = False) -> list[str]:
+    points = list(POINTS)
+    if via_gateway:
+        points = points[:1] + GATEWAY_IN + points[1:-1] + GATEWAY_OUT + points[-1:]
+    if engine == "sglang":
+        at = points.index("engine.first_token")
+        points = points[:at] + SGLANG_POINTS + points[at:]
+    return [point for point in points if not (loaded and point in UNNAMED_POINTS)]
 
 
 # ----- in each worker process: wrap the path's functions, then run the worker ---------------------------------------
@@ -92,6 +102,14 @@ def run_traced_worker(stage: str, engine: str, out_path: str, argv: list[str], k
     def stamp(point: str, request_id: str | None = None, at_s: float | None = None) -> None:
         out.write(json.dumps({"point": point, "request_id": request_id, "t": at_s or time.time()}) + "\n")
 
+    if stage == "gateway":
+        _wrap_publish(stamp)
+        _wrap_gateway(stamp)
+        from workers.cli import app
+
+        sys.argv = ["conveyor", "gateway", *argv]
+        app()
+        return
     _wrap_consumer(stage, stamp)
     if keep_warm_ms:
         _keep_consumer_loop_warm(keep_warm_ms)
@@ -181,6 +199,40 @@ def _wrap_publish(stamp: Callable[..., None]) -> None:
         return await publish_until_acked(self, subject, payload, headers)
 
     publish.TaskPublisher._publish_until_acked = traced  # type: ignore[method-assign]
+
+
+def _wrap_gateway(stamp: Callable[..., None]) -> None:
+    """The gateway's request handed to its handler (before the request id exists), each reply frame parsed off its
+    socket (a message on an inbox; JetStream's publish acks among them, long before a first token), and each SSE
+    event written (the assembly keeps each request's first)."""
+    import nats.aio.client
+    from aiohttp import web
+
+    from workers import gateway
+
+    errors, process_msg, send_unless_empty = (gateway.Gateway._errors, nats.aio.client.Client._process_msg,
+                                              gateway._send_unless_empty)
+
+    @web.middleware
+    async def traced_errors(self: Any, request: Any, handler: Any) -> Any:
+        if request.method == "POST":
+            stamp("gateway.request")
+        return await errors(self, request, handler)
+
+    async def traced_process_msg(self: Any, sid: int, subject: bytes, reply: bytes, data: bytes,
+                                 headers: bytes) -> None:
+        if subject.startswith(b"_INBOX"):
+            stamp("gateway.socket")
+        await process_msg(self, sid, subject, reply, data, headers)
+
+    async def traced_send(response: Any, event: Any) -> None:
+        await send_unless_empty(response, event)
+        if event is not None:
+            stamp("gateway.written", response.headers.get("x-request-id"))
+
+    gateway.Gateway._errors = traced_errors  # type: ignore[method-assign]
+    nats.aio.client.Client._process_msg = traced_process_msg  # type: ignore[method-assign]
+    gateway._send_unless_empty = traced_send  # type: ignore[assignment]
 
 
 def _wrap_engine_and_frames(engine: str, stamp: Callable[..., None]) -> None:
@@ -294,18 +346,25 @@ def pin_each(cores: list[int], server_pid: int | None, workers: list[subprocess.
           file=sys.stderr, flush=True)
 
 
-async def first_event_s(session: Any, url: str, body: dict[str, Any]) -> float:
-    """Seconds from posting `body` (a streamed request) to its first event with output; read to the end, so the next
-    request finds the server idle."""
-    started_s, first_s = time.perf_counter(), 0.0
+async def first_event(session: Any, url: str, body: dict[str, Any]) -> tuple[str | None, float, float]:
+    """Posts `body` (a streamed request): its `x-request-id` (None if the server sends none), when it was posted and
+    when its first event with output came (`time.time()`); read to the end, so the next request finds the server
+    idle."""
+    started_s, first_s = time.time(), 0.0
     async with session.post(url, json=body) as response:
         if response.status != 200:
             raise RuntimeError(f"{url}: HTTP {response.status}: {(await response.text())[:300]}")
         async for line in response.content:
             if not first_s and line.startswith(b"data: {") and b'"text"' in line:
-                first_s = time.perf_counter()
+                first_s = time.time()
     if not first_s:
         raise RuntimeError(f"{url}: the stream ended without output")
+    return response.headers.get("x-request-id"), started_s, first_s
+
+
+async def first_event_s(session: Any, url: str, body: dict[str, Any]) -> float:
+    """Seconds from posting `body` to its first event with output."""
+    _, started_s, first_s = await first_event(session, url, body)
     return first_s - started_s
 
 
@@ -318,10 +377,12 @@ def gateway_body(model: str, token_ids: list[int], max_tokens: int) -> dict[str,
     return {"model": model, "prompt": token_ids, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
 
 
-async def drive(args: argparse.Namespace, trace_dir: Path) -> tuple[dict[str, dict[str, float]], dict[str, float],
+async def drive(args: argparse.Namespace, trace_dir: Path) -> tuple[dict[str, dict[str, float]],
+                                                                 dict[str, dict[str, float]], dict[str, float],
                                                                  dict[str, float]]:
-    """Each request's points stamped in this process (requests over NATS), the gateway's first-token seconds per
-    request id (requests over HTTP, with --gateway-port), and the server's for each (with --server-url)."""
+    """Each request's points stamped in this process: those sent over NATS, and those sent through the gateway (with
+    --gateway-port; by the gateway's request id); the gateway's first-token seconds per request id, and the
+    server's for each (with --server-url)."""
     import random
 
     import aiohttp
@@ -334,6 +395,7 @@ async def drive(args: argparse.Namespace, trace_dir: Path) -> tuple[dict[str, di
     from schemas.client import CompletionRequest, StreamFormat
 
     client_points: dict[str, dict[str, float]] = {}
+    gateway_points: dict[str, dict[str, float]] = {}
     server_s: dict[str, float] = {}
     gateway_s: dict[str, float] = {}
 
@@ -374,15 +436,16 @@ async def drive(args: argparse.Namespace, trace_dir: Path) -> tuple[dict[str, di
         python_path = os.pathsep.join(filter(None, [str(args.root), os.environ.get("PYTHONPATH")]))
         env = {**os.environ, **worker_env(args), "CONVEYOR_NATS_URLS": server.url, "CONVEYOR_NAMESPACE": namespace,
                "PYTHONPATH": python_path}
-        workers = [subprocess.Popen([sys.executable, __file__, "--as-worker", stage, "--engine", args.engine,
+        def traced(stage: str, stage_args: list[str]) -> subprocess.Popen[bytes]:
+            return subprocess.Popen([sys.executable, __file__, "--as-worker", stage, "--engine", args.engine,
                                      "--trace-file", str(trace_dir / f"{stage}.jsonl"), "--root", str(args.root),
-                                     "--keep-warm-ms", str(args.keep_warm_ms), "--", *worker_args(args)],
+                                     "--keep-warm-ms", str(args.keep_warm_ms), "--", *stage_args],
                                     cwd=args.root, env=env)
-                   for stage in STAGES]
+
+        workers = [traced(stage, worker_args(args)) for stage in STAGES]
         if args.gateway_port:
-            workers.append(subprocess.Popen([sys.executable, "-m", "workers.cli", "gateway", "--host", "127.0.0.1",
-                                             "--port", str(args.gateway_port), "--log-level", "WARNING"],
-                                            cwd=args.root, env=env))
+            workers.append(traced("gateway", ["--host", "127.0.0.1", "--port", str(args.gateway_port),
+                                              "--log-level", "WARNING"]))
         gateway_url = f"http://127.0.0.1:{args.gateway_port}/v1/completions"
         try:
             async with (open_client(NatsSettings(urls=[server.url]), BusSettings(namespace=namespace), "hops") as client,
@@ -412,9 +475,13 @@ async def drive(args: argparse.Namespace, trace_dir: Path) -> tuple[dict[str, di
                         server_s[request_id] = await first_event_s(session, f"{args.server_url}/generate",
                                                                    server_body(token_ids, args.max_tokens))
                         await asyncio.sleep(args.gap_s)
+                    gateway_id = None
                     if over_http:
-                        gateway_s[request_id] = await first_event_s(session, gateway_url,
-                                                                    gateway_body(model, token_ids, args.max_tokens))
+                        gateway_id, posted_s, first_s = await first_event(
+                            session, gateway_url, gateway_body(model, token_ids, args.max_tokens))
+                        gateway_s[request_id] = first_s - posted_s
+                        if gateway_id is not None:
+                            gateway_points[gateway_id] = {"submit": posted_s, "client_first": first_s}
                     else:
                         await through_conveyor(client, model, request_id, token_ids)
                     if args.server_url and not server_first:
@@ -424,6 +491,7 @@ async def drive(args: argparse.Namespace, trace_dir: Path) -> tuple[dict[str, di
                     if index < args.warmup:
                         for kept in (client_points, server_s, gateway_s):
                             kept.pop(request_id, None)
+                        gateway_points.pop(gateway_id or "", None)
                     if (index + 1) % 100 == 0:
                         print(f"[trace-hops] {index + 1} sent", file=sys.stderr, flush=True)
                     await asyncio.sleep(args.gap_s)
@@ -439,10 +507,20 @@ async def drive(args: argparse.Namespace, trace_dir: Path) -> tuple[dict[str, di
     # The load's requests were stamped too (at the client's publish): only the traced ones are reported.
     traced = {request_id: points for request_id, points in client_points.items()
               if request_id.startswith(TRACED_PREFIX)}
-    return traced, gateway_s, server_s
+    return traced, gateway_points, gateway_s, server_s
 
 
-def assemble(by_request: dict[str, dict[str, float]], trace_dir: Path) -> dict[str, dict[str, float]]:
+# Points stamped without a request id: (the point, as stamped, found as the first stamp after this point of the
+# request's). The gateway's are looked for only in requests sent through it.
+UNNAMED_AFTER = [("processor.socket", "processor.socket", "processor.stored"),
+                 ("decode.socket", "decode.socket", "decode.stored"),
+                 ("first_frame_out", "frames_out", "engine.first_token")]
+GATEWAY_UNNAMED_AFTER = [("gateway.request", "gateway.request", "submit"),
+                         ("gateway.socket", "gateway.socket", "first_frame_out")]
+
+
+def assemble(by_request: dict[str, dict[str, float]], trace_dir: Path,
+             via_gateway: bool = False) -> dict[str, dict[str, float]]:
     """Each request's points (the client's, given) with the workers' added: those stamped with its id, and for those
     stamped without one, the first stamp of that point after the request's point before it."""
     unnamed: dict[str, list[float]] = {}
@@ -456,9 +534,7 @@ def assemble(by_request: dict[str, dict[str, float]], trace_dir: Path) -> dict[s
     for stamps in unnamed.values():
         stamps.sort()
     for points in by_request.values():
-        for point, stamped_as, after in (("processor.socket", "processor.socket", "processor.stored"),
-                                         ("decode.socket", "decode.socket", "decode.stored"),
-                                         ("first_frame_out", "frames_out", "engine.first_token")):
+        for point, stamped_as, after in UNNAMED_AFTER + (GATEWAY_UNNAMED_AFTER if via_gateway else []):
             found = _first_after(unnamed.get(stamped_as, []), points.get(after))
             if found is not None:
                 points[point] = found
@@ -470,13 +546,31 @@ def _first_after(stamps: list[float], after: float | None) -> float | None:
 
 
 def report(by_request: dict[str, dict[str, float]], engine: str, gateway_s: dict[str, float],
-           server_s: dict[str, float], load_streams: int = 0) -> None:
-    points_in_order = points_of(engine, loaded=load_streams > 0)
-    complete = {request_id: points for request_id, points in by_request.items()
-                if all(point in points for point in points_in_order)}
+           server_s: dict[str, float], load_streams: int = 0,
+           through_gateway: dict[str, dict[str, float]] | None = None) -> None:
     what = "mock engine: 5 ms to the first token" if engine == "mock" else engine
     beside = f", beside {load_streams} other streams" if load_streams else ""
-    print(f"{len(complete)} requests one at a time{beside}, medians in ms ({what})")
+    complete = report_path(f"one at a time{beside}, medians in ms ({what})", by_request,
+                           points_of(engine, loaded=load_streams > 0))
+    if gateway_s:
+        print(f"through the gateway (HTTP, token ids), {len(gateway_s)} requests: "
+              f"p50 {1000 * statistics.median(gateway_s.values()):.2f} ms")
+    if through_gateway:
+        report_path(f"through the gateway{beside}, one at a time, medians in ms", through_gateway,
+                    points_of(engine, loaded=load_streams > 0, via_gateway=True))
+    paired = [request_id for request_id in complete if request_id in server_s]
+    if paired:
+        report_paired({request_id: complete[request_id] for request_id in paired}, gateway_s, server_s)
+
+
+def report_path(title: str, by_request: dict[str, dict[str, float]],
+                points_in_order: list[str]) -> dict[str, dict[str, float]]:
+    """One table of the path's steps, over the requests that have every point; those requests."""
+    complete = {request_id: points for request_id, points in by_request.items()
+                if all(point in points for point in points_in_order)}
+    print(f"{len(complete)} requests {title}")
+    if not complete:
+        return complete
     total_ms = 0.0
     for before, point in pairwise(points_in_order):
         step_ms = statistics.median(1000 * (points[point] - points[before]) for points in complete.values())
@@ -484,12 +578,7 @@ def report(by_request: dict[str, dict[str, float]], engine: str, gateway_s: dict
         print(f"  → {point:<22} {step_ms:7.3f}   {total_ms:7.3f}")
     ttfts_ms = [1000 * (points["client_first"] - points["submit"]) for points in complete.values()]
     print(f"first token: p50 {statistics.median(ttfts_ms):.2f} ms, p90 {sorted(ttfts_ms)[int(0.9 * len(ttfts_ms))]:.2f} ms")
-    if gateway_s:
-        print(f"through the gateway (HTTP, token ids), {len(gateway_s)} requests: "
-              f"p50 {1000 * statistics.median(gateway_s.values()):.2f} ms")
-    paired = [request_id for request_id in complete if request_id in server_s]
-    if paired:
-        report_paired({request_id: complete[request_id] for request_id in paired}, gateway_s, server_s)
+    return complete
 
 
 def report_paired(points_of_request: dict[str, dict[str, float]], gateway_s: dict[str, float],
@@ -546,7 +635,7 @@ def main() -> None:
     parser.add_argument("--keep-warm-ms", type=float, default=0.0,
                         help="wake the workers' and the client's event loops every this many ms while idle "
                              "(default 0: never; an experiment, see above)")
-    parser.add_argument("--as-worker", choices=STAGES, help=argparse.SUPPRESS)
+    parser.add_argument("--as-worker", choices=[*STAGES, "gateway"], help=argparse.SUPPRESS)
     parser.add_argument("--trace-file", help=argparse.SUPPRESS)
     parser.add_argument("worker_args", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -562,11 +651,13 @@ def main() -> None:
     import uvloop
 
     with tempfile.TemporaryDirectory(prefix="trace-hops-") as folder:
-        client_points, gateway_s, server_s = uvloop.run(drive(args, Path(folder)))
+        client_points, gateway_points, gateway_s, server_s = uvloop.run(drive(args, Path(folder)))
         by_request = assemble(client_points, Path(folder))
-    report(by_request, args.engine, gateway_s, server_s, args.load_streams)
+        through_gateway = assemble(gateway_points, Path(folder), via_gateway=True)
+    report(by_request, args.engine, gateway_s, server_s, args.load_streams, through_gateway)
     if args.json_out:
-        args.json_out.write_text(json.dumps({"nats": by_request, "gateway_s": gateway_s, "server_s": server_s}))
+        args.json_out.write_text(json.dumps({"nats": by_request, "gateway": through_gateway, "gateway_s": gateway_s,
+                                             "server_s": server_s}))
 
 
 if __name__ == "__main__":

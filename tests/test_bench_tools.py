@@ -662,11 +662,29 @@ def test_cpu_siblings_reads_every_other_cpu_and_leaves_this_process_where_it_was
 def test_hops_traced_beside_a_load_leave_out_the_points_stamped_without_a_request_id() -> None:
     hops = _script("trace_hops")
     idle, loaded = hops.points_of("mock"), hops.points_of("mock", loaded=True)
-    assert set(hops.UNNAMED_POINTS) <= set(idle)
+    assert set(hops.UNNAMED_POINTS) <= set(hops.points_of("mock", via_gateway=True))
     assert loaded == [point for point in idle if point not in hops.UNNAMED_POINTS]
+    assert not set(hops.UNNAMED_POINTS) & set(hops.points_of("mock", loaded=True, via_gateway=True))
     with_sglang = hops.points_of("sglang", loaded=True)
     assert with_sglang.index("sglang.first_output") + 1 == with_sglang.index("engine.first_token")
     assert "decode.socket" not in with_sglang and with_sglang[-1] == "client_first"
+
+
+def test_hops_through_the_gateway_put_its_points_around_the_stages_and_match_them_only_there(tmp_path: Path) -> None:
+    hops = _script("trace_hops")
+    through = hops.points_of("mock", via_gateway=True)
+    assert through[:3] == ["submit", "gateway.request", "publish@processor"]
+    assert through[-3:] == ["gateway.socket", "gateway.written", "client_first"]
+    assert [point for point in through if not point.startswith("gateway.")] == hops.points_of("mock")
+    # The gateway's own unnamed stamps (a request before its id exists, a frame off its socket) go only to requests
+    # sent through it: a NATS client's request would otherwise take the next gateway request's stamps.
+    (tmp_path / "gateway.jsonl").write_text(
+        "\n".join(json.dumps({"point": point, "request_id": None, "t": t})
+                  for point, t in [("gateway.request", 10.001), ("frames_out", 10.008), ("gateway.socket", 10.009)]))
+    nats = hops.assemble({"hop1": {"submit": 10.0, "engine.first_token": 10.007}}, tmp_path)
+    via = hops.assemble({"cmpl-1": {"submit": 10.0, "engine.first_token": 10.007}}, tmp_path, via_gateway=True)
+    assert "gateway.request" not in nats["hop1"] and nats["hop1"]["first_frame_out"] == 10.008
+    assert via["cmpl-1"]["gateway.request"] == 10.001 and via["cmpl-1"]["gateway.socket"] == 10.009
 
 
 def test_gc_probe_counts_a_process_collections_and_the_report_reads_them_back(tmp_path: Path) -> None:
