@@ -436,6 +436,7 @@ async def drive(args: argparse.Namespace, trace_dir: Path) -> tuple[dict[str, di
         python_path = os.pathsep.join(filter(None, [str(args.root), os.environ.get("PYTHONPATH")]))
         env = {**os.environ, **worker_env(args), "CONVEYOR_NATS_URLS": server.url, "CONVEYOR_NAMESPACE": namespace,
                "PYTHONPATH": python_path}
+
         def traced(stage: str, stage_args: list[str]) -> subprocess.Popen[bytes]:
             return subprocess.Popen([sys.executable, __file__, "--as-worker", stage, "--engine", args.engine,
                                      "--trace-file", str(trace_dir / f"{stage}.jsonl"), "--root", str(args.root),
@@ -475,12 +476,11 @@ async def drive(args: argparse.Namespace, trace_dir: Path) -> tuple[dict[str, di
                         server_s[request_id] = await first_event_s(session, f"{args.server_url}/generate",
                                                                    server_body(token_ids, args.max_tokens))
                         await asyncio.sleep(args.gap_s)
-                    gateway_id = None
                     if over_http:
                         gateway_id, posted_s, first_s = await first_event(
                             session, gateway_url, gateway_body(model, token_ids, args.max_tokens))
                         gateway_s[request_id] = first_s - posted_s
-                        if gateway_id is not None:
+                        if gateway_id is not None and index >= args.warmup:
                             gateway_points[gateway_id] = {"submit": posted_s, "client_first": first_s}
                     else:
                         await through_conveyor(client, model, request_id, token_ids)
@@ -491,7 +491,6 @@ async def drive(args: argparse.Namespace, trace_dir: Path) -> tuple[dict[str, di
                     if index < args.warmup:
                         for kept in (client_points, server_s, gateway_s):
                             kept.pop(request_id, None)
-                        gateway_points.pop(gateway_id or "", None)
                     if (index + 1) % 100 == 0:
                         print(f"[trace-hops] {index + 1} sent", file=sys.stderr, flush=True)
                     await asyncio.sleep(args.gap_s)
