@@ -17,7 +17,7 @@ from nats.js import JetStreamContext
 
 from bus.adapters import AdapterBucket, ensure_lora_bucket
 from bus.cancel import scope_of, send_cancel
-from bus.connection import connect
+from bus.connection import close_connection, connect
 from bus.errors import RequestIdInUse
 from bus.publish import TaskPublisher
 from bus.registry import live_workers
@@ -146,4 +146,4 @@ async def open_client(nats: NatsSettings, bus: BusSettings, name: str) -> AsyncI
     try:
         yield PipelineClient(nc, nc.jetstream(), Names(bus.namespace), bus)
     finally:
-        await nc.close()
+        await close_connection(nc)

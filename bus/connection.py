@@ -61,6 +61,32 @@ async def connect(settings: NatsSettings, name: str, on_reconnected: Callback | 
     return client
 
 
+async def close_connection(nc: Client, drain_timeout_s: float = 0.0) -> None:
+    """Close `nc`, first draining it for up to `drain_timeout_s` (delivering what it buffered) when the server is there.
+
+    With the server away, nats-py's `close` writes what it buffered while reconnecting to the transport that died with
+    the server, which uvloop refuses with a RuntimeError: the close stops half way and the process exits with a
+    traceback (seen when a NATS server stopped before its workers). That buffer can reach no one, so it is dropped
+    first and the close runs to its end; a close that fails all the same is logged, not raised: the process is ending.
+    """
+    if nc.is_closed:
+        return
+    if drain_timeout_s > 0 and nc.is_connected:
+        try:
+            async with asyncio.timeout(drain_timeout_s):
+                await nc.drain()
+        except Exception as error:
+            log.warning("nats.drain_skipped", error=repr(error))
+    if nc.is_closed:  # a drain ends in a close
+        return
+    if not nc.is_connected:
+        nc._pending, nc._pending_data_size = [], 0
+    try:
+        await nc.close()
+    except Exception as error:
+        log.warning("nats.close_incomplete", error=repr(error))
+
+
 class _ErrorLog:
     """Connection errors as a person wants them: none while the first connect is still trying (its
     failure is one `ConnectionError`), then one line per distinct error until the next reconnect,

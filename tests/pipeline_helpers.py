@@ -156,21 +156,28 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 @asynccontextmanager
 async def worker_processes(urls: list[str], namespace: str, stages: list[str], engine: str = "mock",
-                           **env: str) -> AsyncIterator[list[subprocess.Popen[bytes]]]:
+                           stderr_dir: Path | None = None, **env: str) -> AsyncIterator[list[subprocess.Popen[bytes]]]:
     """Workers as processes (`conveyor worker STAGE`, the mock engine unless told), stopped (SIGTERM, then
-    SIGKILL) on exit. `env`: more CONVEYOR_* settings, e.g. CONVEYOR_STREAM_REPLICAS="3"."""
+    SIGKILL) on exit. `env`: more CONVEYOR_* settings, e.g. CONVEYOR_STREAM_REPLICAS="3". `stderr_dir`: each
+    worker's stderr (its log) goes to `<stage>-<n>.log` there, to read after it stopped."""
     environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CONVEYOR_NAMESPACE": namespace,
                    "CONVEYOR_NATS_URLS": ",".join(urls), "CONVEYOR_REGISTRY_TTL_S": "3",
                    "CONVEYOR_MOCK_INTER_TOKEN_S": "0.01", **env}
     # CONVEYOR_TEST_WORKER_LOG_LEVEL=INFO (with pytest -s) shows what each worker did, to read a failure.
     log_level = os.environ.get("CONVEYOR_TEST_WORKER_LOG_LEVEL", "WARNING")
+    logs = [open(stderr_dir / f"{stage}-{n}.log", "wb") if stderr_dir else None  # noqa: SIM115 (closed below)
+            for n, stage in enumerate(stages)]
     workers = [subprocess.Popen([sys.executable, "-m", "workers.cli", "worker", stage, "--engine", engine,
-                                 "--log-level", log_level, "--shutdown-grace-s", "1"], cwd=REPO_ROOT, env=environment)
-               for stage in stages]
+                                 "--log-level", log_level, "--shutdown-grace-s", "1"], cwd=REPO_ROOT, env=environment,
+                                stderr=log)
+               for stage, log in zip(stages, logs, strict=True)]
     try:
         yield workers
     finally:
         await stop_processes(workers, grace_s=15)
+        for log in logs:
+            if log is not None:
+                log.close()
 
 
 async def wait_for_workers(client: PipelineClient, num_workers: int, timeout_s: float,

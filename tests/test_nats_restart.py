@@ -95,3 +95,32 @@ async def test_a_request_after_a_registry_outage_waits_for_workers_whose_cards_l
             assert processor.poll() is None
     finally:
         server.stop()
+
+
+async def test_workers_stopped_after_their_nats_server_exit_cleanly_within_seconds(tmp_path: Path) -> None:
+    """The server goes first (compose stopping everything, a host going down): each worker, told to stop while its
+    connection is away, skips what needs the bus and exits with 0 and no traceback, well inside compose's 10 s."""
+    settings = bus_settings(registry_ttl_s=3.0, heartbeat_timeout_s=10.0)
+    server = EmbeddedNatsServer(store_dir=tmp_path / "store")
+    server.start()
+    try:
+        async with worker_processes([server.url], settings.namespace, ["processor", "decode"],
+                                    stderr_dir=tmp_path) as workers:
+            async with open_client(NatsSettings(urls=[server.url]), settings, "stop-test") as client:
+                await wait_for_workers(client, num_workers=2, timeout_s=90)
+                # What the client publishes while the server is away stays in its buffer: closing must not fail.
+                server.halt(signal.SIGKILL)
+                await asyncio.sleep(2.0)  # heartbeats and registry writes pile up in the workers' buffers
+            stopping_at = time.monotonic()
+            for worker in workers:
+                worker.send_signal(signal.SIGTERM)
+            exit_codes = [await asyncio.to_thread(worker.wait, 30) for worker in workers]
+            stopped_s = time.monotonic() - stopping_at
+    finally:
+        server.stop()
+    assert exit_codes == [0, 0]
+    assert stopped_s < 10, stopped_s
+    for log_file in sorted(tmp_path.glob("*.log")):
+        log_text = log_file.read_text()
+        assert "Traceback" not in log_text, log_text[-2000:]
+        assert "not connected to NATS" in log_text  # the bus's steps were skipped, not waited out

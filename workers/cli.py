@@ -75,7 +75,7 @@ def streams(
 
 
 async def _streams(nats: NatsSettings, bus: BusSettings, declare: bool, delete: bool) -> None:
-    from bus.connection import connect
+    from bus.connection import close_connection, connect
     from bus.streams import declare_all, delete_all, report
     from bus.subjects import Names
 
@@ -96,7 +96,7 @@ async def _streams(nats: NatsSettings, bus: BusSettings, declare: bool, delete: 
         for row in rows:
             typer.echo(f"{row.name:<32} {row.messages:>9} {row.bytes:>11} {row.consumers:>9}  {', '.join(row.subjects)}")
     finally:
-        await nc.close()
+        await close_connection(nc)
 
 
 @app.command()
@@ -116,7 +116,7 @@ def dlq(
 async def _dlq(nats: NatsSettings, bus: BusSettings, replay_seq: int | None, limit: int) -> None:
     from datetime import UTC, datetime
 
-    from bus.connection import connect
+    from bus.connection import close_connection, connect
     from bus.dead_letters import list_dead_letters, replay
     from bus.subjects import Names
 
@@ -137,7 +137,7 @@ async def _dlq(nats: NatsSettings, bus: BusSettings, replay_seq: int | None, lim
             typer.echo(f"{letter.seq:>6} {stored:<20} {letter.stage:<10} {letter.reason:<18} {letter.deliveries:>5} "
                        f"{letter.size_bytes:>8}  {letter.detail[:80]}")
     finally:
-        await nc.close()
+        await close_connection(nc)
 
 
 @app.command()

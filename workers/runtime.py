@@ -34,7 +34,7 @@ from tenacity import AsyncRetrying, wait_exponential
 
 from bus.adapters import AdapterBucket, ensure_lora_bucket
 from bus.cancel import CancelRegistry
-from bus.connection import connect
+from bus.connection import close_connection, connect
 from bus.consumer import ConsumerOptions, Delivery, WorkConsumer
 from bus.kv_events import KvEventPublisher
 from bus.lifecycle import event_loop_lag_observed, freeze_startup_objects, observe_gc_pauses, sleep_unless, stop_tasks
@@ -273,17 +273,17 @@ class WorkerRuntime:
             stop_requested = asyncio.create_task(self._stopping.wait())
             await asyncio.wait([stop_requested, consumer_loop], return_when=asyncio.FIRST_COMPLETED)
             stop_requested.cancel()
-            await self._shutdown(consumer_loop)
+            await self._shutdown(nc, consumer_loop)
         finally:
             self._stopping.set()
             if self._adapters is not None:
                 await self._adapters.stop()
             await stop_tasks([*self._background, *([self._recovery] if self._recovery else [])])
             await self._stage.stop()
-            await _unless_nats_is_away("cancels.stop", cancels.stop())
+            await _unless_nats_is_away(nc, "cancels.stop", cancels.stop)
             if self._health is not None:
                 await self._health.stop()
-            await _close(nc)
+            await close_connection(nc, drain_timeout_s=10.0)
             log.info("worker.stopped")
 
     async def _adapter_sync(self, js: Any) -> AdapterSync | None:
@@ -317,16 +317,17 @@ class WorkerRuntime:
         log.info("worker.concurrency_from_engine", asked=asked, engine_runs=capacity, queued_ahead=ahead)
         return capacity + ahead, ahead
 
-    async def _shutdown(self, consumer_loop: asyncio.Task[None]) -> None:
-        """Deregister and drain; with NATS away (a server stopped with its workers) every step that needs it
-        gives up after its timeout, so SIGTERM always ends the process."""
+    async def _shutdown(self, nc: Any, consumer_loop: asyncio.Task[None]) -> None:
+        """Deregister and drain; with NATS away (a server stopped with its workers) every step that needs it is
+        skipped, or gives up after its timeout, so SIGTERM always ends the process, and soon."""
         assert self._consumer is not None and self._registration is not None
+        registration = self._registration
         log.info("worker.draining", in_flight=self._consumer.in_flight, grace_s=self.options.shutdown_grace_s)
         self._set_ready("shutting down")
-        await _unless_nats_is_away("registry.update", self._registration.update(self._card(ready=False)))
+        await _unless_nats_is_away(nc, "registry.update", lambda: registration.update(self._card(ready=False)))
         await self._consumer.stop(grace_s=self.options.shutdown_grace_s)
         await consumer_loop
-        await _unless_nats_is_away("registry.close", self._registration.close())
+        await _unless_nats_is_away(nc, "registry.close", registration.close)
 
     async def _on_reconnected(self) -> None:
         # Called inside nats-py's reconnect path: recover in a task of our own, one at a time.
@@ -578,23 +579,17 @@ class WorkerRuntime:
         return web.json_response({"status": "success", "loras": loras, "count": len(loras)})
 
 
-async def _unless_nats_is_away(step: str, action: Awaitable[None], timeout_s: float = 5.0) -> None:
+async def _unless_nats_is_away(nc: Any, step: str, action: Callable[[], Awaitable[None]],
+                               timeout_s: float = 5.0) -> None:
+    """Run a shutdown step that needs NATS, skipped at once while the connection is away: a server stopped before
+    its workers (compose, a test) made each step wait its whole timeout, 15 s a worker, past compose's 10 s grace."""
+    if not nc.is_connected:
+        log.warning("worker.shutdown_step_skipped", step=step, error="not connected to NATS")
+        return
     try:
-        await asyncio.wait_for(action, timeout=timeout_s)
+        await asyncio.wait_for(action(), timeout=timeout_s)
     except Exception as error:  # the bus is gone: the TTL removes the card, JetStream redelivers the work
         log.warning("worker.shutdown_step_skipped", step=step, error=repr(error))
-
-
-async def _close(nc: Any, drain_timeout_s: float = 10.0) -> None:
-    """Drain (deliver what is buffered), or close at once when the server is unreachable: a connection left
-    reconnecting keeps a task alive that would stop the process from exiting."""
-    try:
-        await asyncio.wait_for(nc.drain(), timeout=drain_timeout_s)
-    except Exception as error:
-        log.warning("worker.drain_skipped", error=repr(error))
-    finally:
-        if not nc.is_closed:
-            await nc.close()
 
 
 async def _body(request: web.Request, model: type[BaseModel]) -> Any:

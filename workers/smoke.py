@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 
 from bus.cancel import CancelRegistry
 from bus.client import PipelineClient
-from bus.connection import connect
+from bus.connection import close_connection, connect
 from bus.consumer import ConsumerOptions, Delivery, WorkConsumer
 from bus.server import STANDARD_PORT, EmbeddedNatsServer, port_is_free
 from bus.settings import BusSettings, NatsSettings
@@ -105,4 +105,4 @@ async def run_smoke(nats: NatsSettings, bus: BusSettings, embedded: bool, prompt
             await loop
             await cancels.stop()
         finally:
-            await nc.close()
+            await close_connection(nc)
