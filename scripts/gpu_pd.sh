@@ -37,3 +37,5 @@ python3 -m workers.cli status
 for question in "What is the capital of France?" "Name three colours."; do
     python3 -m workers.cli ask "$question" --model "$MODEL" --max-tokens 24 --temperature 0
 done
+# The KV-event stream's count: both engines' events reached it (the inline publisher, since the fiftieth stop).
+python3 -m workers.cli streams

@@ -98,8 +98,9 @@ async def test_a_request_after_a_registry_outage_waits_for_workers_whose_cards_l
 
 
 async def test_workers_stopped_after_their_nats_server_exit_cleanly_within_seconds(tmp_path: Path) -> None:
-    """The server goes first (compose stopping everything, a host going down): each worker, told to stop while its
-    connection is away, skips what needs the bus and exits with 0 and no traceback, well inside compose's 10 s."""
+    """The server goes first (its host going down, a script stopping everything at once, as gpu_pd.sh did on the
+    H200): each worker, told to stop while its connection is away, skips what needs the bus and exits with 0 and no
+    traceback within seconds (before: 15 s, then exit 1 on a uvloop RuntimeError from nats-py's close)."""
     settings = bus_settings(registry_ttl_s=3.0, heartbeat_timeout_s=10.0)
     server = EmbeddedNatsServer(store_dir=tmp_path / "store")
     server.start()

@@ -582,7 +582,8 @@ class WorkerRuntime:
 async def _unless_nats_is_away(nc: Any, step: str, action: Callable[[], Awaitable[None]],
                                timeout_s: float = 5.0) -> None:
     """Run a shutdown step that needs NATS, skipped at once while the connection is away: a server stopped before
-    its workers (compose, a test) made each step wait its whole timeout, 15 s a worker, past compose's 10 s grace."""
+    its workers (the server's host going down, a script stopping everything at once) made each step wait its whole
+    timeout: 15 s a worker before it exited."""
     if not nc.is_connected:
         log.warning("worker.shutdown_step_skipped", step=step, error="not connected to NATS")
         return
