@@ -17,10 +17,14 @@ wait_for() {  # wait_for STAGE: until the registry lists a ready worker of that 
 }
 python3 -m workers.cli server --port "$PORT" --store-dir /tmp/pd-nats --monitor-port 0 &
 pids=($!)
-stop_all() {
-    kill -TERM "${pids[@]}" 2>/dev/null || true
-    for _ in $(seq 1 30); do kill -0 "${pids[@]}" 2>/dev/null || return 0; sleep 1; done
-    kill -KILL "${pids[@]}" 2>/dev/null || true
+stop() {  # stop PID...: SIGTERM, then SIGKILL after 30 s
+    kill -TERM "$@" 2>/dev/null || true
+    for _ in $(seq 1 30); do kill -0 "$@" 2>/dev/null || return 0; sleep 1; done
+    kill -KILL "$@" 2>/dev/null || true
+}
+stop_all() {  # the workers first, so that they deregister and drain through the server, then the server
+    if [ "${#pids[@]}" -gt 1 ]; then stop "${pids[@]:1}"; fi
+    stop "${pids[0]}"
 }
 trap stop_all EXIT
 sleep 2
