@@ -172,8 +172,11 @@ class EmbeddedNatsServer:
         that starts it and stops when that thread's process dies (`dies_with_parent`)."""
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self.log_file.unlink(missing_ok=True)
+        # A process group of its own: Ctrl-C in a terminal signals the whole foreground group, and a server that got
+        # it too went first, so the workers of `conveyor up` found no bus to deregister and drain through. Its owner
+        # stops it, after them; `dies_with_parent` covers an owner killed outright.
         self._process = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                         preexec_fn=dies_with_parent())
+                                         preexec_fn=dies_with_parent(), process_group=0)
         self._wait_ready(timeout_s)
         return self.url
 
