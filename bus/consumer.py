@@ -335,9 +335,12 @@ class WorkConsumer(Generic[TaskT]):
         for puller in (self._shared, self._pinned):
             if puller is not None:
                 await _quietly(puller.stop())
-        if self._pinned is not None:
-            # What routers pinned here and this worker will not run now goes to the other replicas (with NATS
-            # away, the routers do it once this worker's card expires).
+        if self._pinned is not None and not self._nc.is_connected:
+            # With NATS away the move would only wait out the JetStream timeout (5 s more to a worker's stop): the
+            # routers move what was pinned here once this worker's card expires.
+            log.warning("task.step_failed", step="unpin", error="not connected to NATS")
+        elif self._pinned is not None:
+            # What routers pinned here and this worker will not run now goes to the other replicas.
             await _quietly(unpin(self._js, self._names, self._settings, self.stage, self.model, self._worker_id,
                                  self._options.pool))
         self._shared = self._pinned = None

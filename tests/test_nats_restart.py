@@ -100,7 +100,7 @@ async def test_a_request_after_a_registry_outage_waits_for_workers_whose_cards_l
 async def test_workers_stopped_after_their_nats_server_exit_cleanly_within_seconds(tmp_path: Path) -> None:
     """The server goes first (its host going down, a script stopping everything at once, as gpu_pd.sh did on the
     H200): each worker, told to stop while its connection is away, skips what needs the bus and exits with 0 and no
-    traceback within seconds (before: 15 s, then exit 1 on a uvloop RuntimeError from nats-py's close)."""
+    traceback within a second or so (before: 15 s, then exit 1 on a uvloop RuntimeError from nats-py's close)."""
     settings = bus_settings(registry_ttl_s=3.0, heartbeat_timeout_s=10.0)
     server = EmbeddedNatsServer(store_dir=tmp_path / "store")
     server.start()
@@ -120,7 +120,7 @@ async def test_workers_stopped_after_their_nats_server_exit_cleanly_within_secon
     finally:
         server.stop()
     assert exit_codes == [0, 0]
-    assert stopped_s < 10, stopped_s
+    assert stopped_s < 5, stopped_s  # 0.5 s here; a step waiting out its 5 s JetStream timeout would show
     for log_file in sorted(tmp_path.glob("*.log")):
         log_text = log_file.read_text()
         assert "Traceback" not in log_text, log_text[-2000:]
