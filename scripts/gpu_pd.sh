@@ -38,8 +38,11 @@ wait_for decode
 python3 -m workers.cli worker processor --engine sglang --model "$MODEL" --log-level WARNING & pids+=($!)
 wait_for processor
 python3 -m workers.cli status
+# The answers also go to $OUT/pd-answers.txt on the device machine: the workers' shutdown logs come after them and can
+# push them out of a call's returned tail (fifty-second stop).
+answers=${OUT:-/tmp}/pd-answers.txt
 for question in "What is the capital of France?" "Name three colours."; do
-    python3 -m workers.cli ask "$question" --model "$MODEL" --max-tokens 24 --temperature 0
+    python3 -m workers.cli ask "$question" --model "$MODEL" --max-tokens 24 --temperature 0 2>&1 | tee -a "$answers"
 done
 # The KV-event stream's count: both engines' events reached it (the inline publisher, since the fiftieth stop).
 python3 -m workers.cli streams
